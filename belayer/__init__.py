@@ -1,0 +1,8 @@
+"""Belayer: fault tolerance for LLM agentic RL training.
+
+Two halves usable apart: :mod:`belayer_env` (recoverable Docker sandboxes) and
+:mod:`belayer_engine` (recoverable inference engine). This package holds only what both
+share — the failure taxonomy — and the ``belayer`` command line.
+"""
+
+__version__ = "0.1.0"

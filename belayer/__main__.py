@@ -1,0 +1,5 @@
+import sys
+
+from belayer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,30 @@
+"""belayer_env: recoverable Docker sandboxes for agentic RL.
+
+``DockerSandbox`` runs commands in a real container; checkpoint/restore and the Gymnasium
+``RecoverableSandboxEnv`` build on it. Names resolve lazily so importing the package stays
+cheap and a missing optional part never breaks the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from belayer_env.config import SandboxConfig
+from belayer_env.sandbox import DockerSandbox
+
+_LAZY = {
+    "Checkpoint": "belayer_env.checkpoint",
+    "CheckpointStore": "belayer_env.checkpoint",
+    "full_checkpoint": "belayer_env.checkpoint",
+    "full_restore": "belayer_env.checkpoint",
+    "RecoverableSandboxEnv": "belayer_env.env",
+}
+
+__all__ = ["DockerSandbox", "SandboxConfig", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'belayer_env' has no attribute {name!r}")

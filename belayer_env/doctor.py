@@ -1,0 +1,118 @@
+"""Readiness checks for the environment half: each says what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+from belayer_env.config import DEFAULT_IMAGE
+
+SETUP = "bash scripts/setup.sh"
+MIN_FREE_GIB = 5.0
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _run(argv: list[str], timeout: float = 60) -> tuple[int, str]:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return 127, f"{argv[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, f"{' '.join(argv)}: timed out after {timeout:g} s"
+    return p.returncode, (p.stdout + p.stderr).strip()
+
+
+def check_docker() -> list[Check]:
+    from belayer.errors import DaemonUnavailable
+    from belayer_env.docker_api import connect, docker_url
+
+    try:
+        client = connect(timeout=15)
+        info = client.info()
+    except DaemonUnavailable as e:
+        fix = f"run `{SETUP}` (installs docker.io and starts dockerd)"
+        return [Check("docker engine", False, str(e), fix),
+                Check("docker experimental", False, "engine not reachable", fix),
+                Check("base image", False, "engine not reachable", fix)]
+    checks = [Check("docker engine", True, f"{docker_url()} server {info.get('ServerVersion')}, "
+                    f"storage {info.get('Driver')}, cgroup v{info.get('CgroupVersion', '?')}")]
+    exp = bool(info.get("ExperimentalBuild"))
+    checks.append(Check("docker experimental", exp, "on" if exp else "off (checkpoints need it)",
+                        'set {"experimental": true} in /etc/docker/daemon.json and restart dockerd '
+                        f"(`{SETUP}` does it)"))
+    drv = info.get("Driver")
+    checks.append(Check("docker storage overlay2", drv == "overlay2", f"driver {drv}",
+                        "configure dockerd with the overlay2 storage driver (layer capture reads its upperdir)"))
+    try:
+        img = client.images.get(DEFAULT_IMAGE)
+        checks.append(Check("base image", True, f"{DEFAULT_IMAGE} ({img.attrs.get('Size', 0) / 1e6:.0f} MB)"))
+    except Exception:
+        checks.append(Check("base image", False, f"{DEFAULT_IMAGE} not found", f"run `{SETUP}` (builds it with debootstrap)"))
+    root = info.get("DockerRootDir") or "/var/lib/docker"
+    checks.append(check_disk(root))
+    return checks
+
+
+def check_disk(path: str) -> Check:
+    probe = path if os.path.exists(path) else "/"
+    free = shutil.disk_usage(probe).free / 2**30
+    return Check("free disk", free >= MIN_FREE_GIB, f"{free:.1f} GiB free under {probe}",
+                 f"free at least {MIN_FREE_GIB:g} GiB (docker image prune; belayer checkpoints rm; belayer gc)")
+
+
+def check_criu() -> list[Check]:
+    fix = f"run `{SETUP}` (builds CRIU >= 4.2 from Debian's sid source package)"
+    criu = shutil.which("criu")
+    if not criu:
+        return [Check("criu >= 4.2", False, "criu not found in PATH", fix),
+                Check("criu check", False, "criu not found", fix)]
+    rc, out = _run([criu, "--version"])
+    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
+    version = tuple(int(x) for x in m.groups() if x is not None) if m else ()
+    vtext = ".".join(map(str, version)) or "unknown"
+    checks = [Check("criu >= 4.2", version >= (4, 2), f"{criu} version {vtext}",
+                    fix + " — Debian 13's 4.1 cannot dump sockets on kernels >= 6.16")]
+    rc, out = _run([criu, "check"])
+    checks.append(Check("criu check", rc == 0, out.splitlines()[-1] if out else f"exit {rc}", fix))
+    pycriu = importlib.util.find_spec("pycriu") is not None
+    checks.append(Check("pycriu", pycriu, "importable" if pycriu else "not importable", fix, required=False))
+    return checks
+
+
+def check_kernel() -> list[Check]:
+    cr = os.path.exists("/proc/sys/kernel/ns_last_pid") and os.path.exists("/proc/self/map_files")
+    with open("/proc/filesystems") as f:
+        overlay = any(line.split()[-1] == "overlay" for line in f if line.strip())
+    release = os.uname().release
+    return [
+        Check("kernel checkpoint/restore", cr, f"{release}: CONFIG_CHECKPOINT_RESTORE "
+              f"{'present' if cr else 'missing'}", "use a kernel built with CONFIG_CHECKPOINT_RESTORE=y"),
+        Check("kernel overlayfs", overlay, "overlay in /proc/filesystems" if overlay else "overlay missing",
+              "modprobe overlay (or use a kernel with CONFIG_OVERLAY_FS)"),
+    ]
+
+
+def check_engine() -> list[Check]:
+    missing = [m for m in ("torch", "aiohttp", "safetensors") if importlib.util.find_spec(m) is None]
+    return [Check("engine packages", not missing, "torch, aiohttp, safetensors importable" if not missing
+                  else f"missing: {', '.join(missing)}", "pip install 'belayer[engine]' "
+                  "(torch==2.13.0 first on CPU machines)", required=False)]
+
+
+def run_checks() -> list[Check]:
+    return [*check_docker(), *check_criu(), *check_kernel(), *check_engine()]

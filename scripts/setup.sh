@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# Belayer set-up for a fresh Debian 12/13 machine, run as root. Idempotent: every step
+# checks first and skips what is already in place, so a re-run on a ready machine takes
+# seconds. Steps: Docker engine (experimental on) -> CRIU >= 4.2 (+ pycriu) -> base image
+# -> the Python package. Environment knobs:
+#   BELAYER_PYTHON       python used for the package (default: python3)
+#   BELAYER_BASE_IMAGE   base image tag (default: belayer-base:latest)
+#   BELAYER_SKIP_PIP=1   skip installing the Python package
+set -euo pipefail
+
+PY=${BELAYER_PYTHON:-python3}
+IMAGE=${BELAYER_BASE_IMAGE:-belayer-base:latest}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CRIU_SRC_DIR=/usr/local/src/belayer-criu
+LOG_DIR=/var/log/belayer
+mkdir -p "$LOG_DIR"
+
+step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+info() { printf '    %s\n' "$*"; }
+die() { printf '\033[31merror:\033[0m %s\n' "$*" >&2; exit 1; }
+# run a long command with its log in a file, printing a dot every 5 s as progress
+run_logged() {
+  local log=$1; shift
+  ( "$@" >"$log" 2>&1 ) & local pid=$!
+  local t=0
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1; t=$((t + 1)); (( t % 5 == 0 )) && printf '.' || true
+  done
+  if ! wait "$pid"; then
+    printf '\n'; tail -n 40 "$log" >&2; die "step failed; full log: $log"
+  fi
+  (( t >= 5 )) && printf ' %ds\n' "$t" || true
+}
+
+[ "$(id -u)" = 0 ] || die "run as root (it installs packages and starts dockerd)"
+[ -f /etc/debian_version ] || die "this script supports Debian 12/13 only"
+. /etc/os-release
+CODENAME=${VERSION_CODENAME:-bookworm}
+
+APT_UPDATED=0
+apt_update() {
+  if [ "$APT_UPDATED" = 0 ]; then
+    run_logged "$LOG_DIR/apt-update.log" apt-get update
+    APT_UPDATED=1
+  fi
+}
+apt_install() {
+  local missing=()
+  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+  [ ${#missing[@]} = 0 ] && return 0
+  apt_update
+  info "apt-get install ${missing[*]}"
+  run_logged "$LOG_DIR/apt-install.log" env DEBIAN_FRONTEND=noninteractive apt-get install -y \
+    --no-install-recommends -o APT::Get::Upgrade-By-Source-Package=false "${missing[@]}"
+}
+
+# ---------------------------------------------------------------- Docker engine
+step "Docker engine"
+docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
+if docker_ok && [ "$(docker info --format '{{.ExperimentalBuild}}' 2>/dev/null)" = true ]; then
+  info "dockerd answers, experimental on"
+else
+  command -v dockerd >/dev/null || apt_install docker.io
+  mkdir -p /etc/docker
+  if [ ! -s /etc/docker/daemon.json ]; then
+    echo '{"experimental": true}' >/etc/docker/daemon.json
+  elif ! grep -q '"experimental": *true' /etc/docker/daemon.json; then
+    "$PY" - <<'PYEOF'
+import json, pathlib
+p = pathlib.Path("/etc/docker/daemon.json")
+cfg = json.loads(p.read_text() or "{}")
+cfg["experimental"] = True
+p.write_text(json.dumps(cfg, indent=2))
+PYEOF
+  fi
+  if docker_ok; then
+    info "dockerd runs without experimental: restarting it"
+    pkill -x dockerd || true
+    for _ in $(seq 60); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
+  fi
+  info "starting dockerd (log: $LOG_DIR/dockerd.log)"
+  setsid nohup dockerd >"$LOG_DIR/dockerd.log" 2>&1 </dev/null &
+  for _ in $(seq 120); do docker_ok && break; sleep 0.5; done
+  docker_ok || { tail -n 30 "$LOG_DIR/dockerd.log" >&2; die "dockerd did not answer within 60 s"; }
+  info "dockerd up: $(docker info --format 'server {{.ServerVersion}}, storage {{.Driver}}, experimental {{.ExperimentalBuild}}')"
+fi
+
+# ---------------------------------------------------------------- CRIU >= 4.2
+step "CRIU >= 4.2"
+criu_version_ok() {
+  local v; v=$(criu --version 2>/dev/null | awk '/^Version:/ {print $2}')
+  [ -n "$v" ] || return 1
+  "$PY" -c "import sys; v=tuple(int(x) for x in '$v'.split('.')[:2]); sys.exit(0 if v >= (4, 2) else 1)"
+}
+if criu_version_ok && criu check >/dev/null 2>&1; then
+  info "$(command -v criu): $(criu --version | head -1), criu check passes"
+else
+  apt_install build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
+    protobuf-compiler libnl-3-dev libnet1-dev libbsd-dev libnftables-dev libgnutls28-dev \
+    uuid-dev python3-protobuf iptables xz-utils libcap-dev dpkg-dev
+  # sid *source* only: binaries stay from the host release (libc6 is never upgraded).
+  SRC_LIST=/etc/apt/sources.list.d/belayer-sid-src.sources
+  if [ ! -f "$SRC_LIST" ]; then
+    printf 'Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: sid\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' >"$SRC_LIST"
+    APT_UPDATED=0
+  fi
+  apt_update
+  mkdir -p "$CRIU_SRC_DIR" && cd "$CRIU_SRC_DIR"
+  if ! ls criu_*.orig.tar.* >/dev/null 2>&1; then
+    info "downloading criu source (sid)"
+    apt-get source --download-only criu/sid >"$LOG_DIR/criu-source.log" 2>&1 || true
+    ls criu_*.orig.tar.* >/dev/null 2>&1 || { tail "$LOG_DIR/criu-source.log" >&2; die "could not download criu's source from sid"; }
+  fi
+  tarball=$(ls criu_*.orig.tar.* | sort -V | tail -1)
+  srcdir=$( (tar -tf "$tarball" || true) | head -1 | cut -d/ -f1)
+  [ -d "$srcdir" ] || tar -xf "$tarball"
+  ln -sfn "$CRIU_SRC_DIR/$srcdir" "$CRIU_SRC_DIR/current"
+  info "building $srcdir (make criu lib; ~30 s on 2 cores)"
+  run_logged "$LOG_DIR/criu-build.log" make -C "$srcdir" -j"$(nproc)" criu lib
+  run_logged "$LOG_DIR/criu-install.log" make -C "$srcdir" install-criu PREFIX=/usr/local
+  hash -r
+  criu_version_ok || die "installed criu is not >= 4.2: $(criu --version 2>&1 | head -1)"
+  criu check || die "criu check failed; see 'criu check --all'"
+  info "installed $(criu --version | head -1) at $(command -v criu)"
+  cd "$ROOT"
+fi
+mkdir -p /etc/criu
+# runc reads this when docker checkpoints: keep established TCP and file locks.
+[ -f /etc/criu/runc.conf ] || printf 'tcp-established\nfile-locks\n' >/etc/criu/runc.conf
+
+step "pycriu for $PY"
+if "$PY" -c "import pycriu" 2>/dev/null; then
+  info "pycriu importable"
+else
+  [ -d "$CRIU_SRC_DIR/current/lib" ] || die "pycriu needs the criu source at $CRIU_SRC_DIR/current (remove criu and re-run to rebuild)"
+  [ -f "$CRIU_SRC_DIR/current/lib/pycriu/images/magic.py" ] || run_logged "$LOG_DIR/criu-lib.log" make -C "$CRIU_SRC_DIR/current" lib
+  run_logged "$LOG_DIR/pycriu.log" "$PY" -m pip install -q "protobuf>=3.20,<7" "$CRIU_SRC_DIR/current/lib"
+  "$PY" -c "import pycriu" || die "pycriu did not import after install"
+  info "pycriu installed"
+fi
+
+# ---------------------------------------------------------------- base image
+step "Sandbox base image $IMAGE"
+if docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  info "present ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
+else
+  apt_install debootstrap
+  ROOTFS=$(mktemp -d /var/tmp/belayer-rootfs.XXXXXX)
+  info "debootstrap --variant=minbase $CODENAME (~40 s)"
+  run_logged "$LOG_DIR/debootstrap.log" debootstrap --variant=minbase \
+    --include=bash,coreutils,python3,git,procps "$CODENAME" "$ROOTFS" http://deb.debian.org/debian
+  rm -rf "$ROOTFS"/usr/share/{doc,man,info,locale}/* "$ROOTFS"/var/cache/apt/* \
+    "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/log/*.log
+  info "docker import"
+  tar -C "$ROOTFS" -c . | docker import \
+    -c 'CMD ["/bin/bash"]' -c 'ENV LANG=C.UTF-8' -m "belayer sandbox base ($CODENAME minbase)" - "$IMAGE" >/dev/null
+  rm -rf "$ROOTFS"
+  info "built $IMAGE ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
+fi
+
+# ---------------------------------------------------------------- Python package
+step "Python package (belayer)"
+if [ "${BELAYER_SKIP_PIP:-0}" = 1 ]; then
+  info "skipped (BELAYER_SKIP_PIP=1)"
+else
+  # CPU torch from the local wheel store when present; an unpinned torch would pull CUDA.
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    info "installing torch==2.13.0 (CPU build)"
+    run_logged "$LOG_DIR/pip-torch.log" "$PY" -m pip install -q --progress-bar off torch==2.13.0
+  fi
+  stamp="$ROOT $(sha256sum "$ROOT/pyproject.toml" | cut -c1-16) $("$PY" -c 'import sys; print(sys.executable)')"
+  if [ "$(cat "$LOG_DIR/pip-stamp" 2>/dev/null)" = "$stamp" ] && "$PY" -c "import belayer, belayer_env, belayer_engine" 2>/dev/null; then
+    info "belayer installed from $ROOT (pyproject unchanged)"
+  else
+    info "pip install -e $ROOT[all,dev]"
+    run_logged "$LOG_DIR/pip-belayer.log" "$PY" -m pip install -q --progress-bar off -e "$ROOT[all,dev]"
+    echo "$stamp" >"$LOG_DIR/pip-stamp"
+  fi
+fi
+
+step "Ready"
+command -v belayer >/dev/null && belayer doctor || true

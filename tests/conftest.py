@@ -1,0 +1,40 @@
+"""Shared fixtures: a real Docker engine (never mocked). Missing engine = a loud failure."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
+    """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for: {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    from belayer.errors import DaemonUnavailable
+    from belayer_env.docker_api import connect
+
+    try:
+        return connect()
+    except DaemonUnavailable as e:
+        pytest.fail(f"these tests need a running Docker engine ({e}); run `bash scripts/setup.sh`")
+
+
+@pytest.fixture
+def sandbox(docker_client):
+    from belayer_env import DockerSandbox
+
+    sb = DockerSandbox(client=docker_client)
+    yield sb
+    sb.close()
