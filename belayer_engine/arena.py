@@ -1,0 +1,357 @@
+"""Arena server: one process per device that owns the weights and the KV arena.
+
+Workers come and go (crash, SIGKILL, handover); the memory stays here. A Unix socket
+(mode 0600, same-uid peers only) carries JSON-line requests: ``describe``, ``health``,
+``checksums``, ``update_weights``, ``shutdown`` and a persistent ``attach`` per worker.
+
+Weight versions are double-buffered: a new version is written into the slot nobody
+serves, published (version + 1), pushed to every attached worker, and ``update_weights``
+returns only when each live worker has confirmed it switched. The slot being overwritten
+is always one no worker uses (the update first waits until all of them confirmed the
+current version), so no copy happens in workers and no stale version is served after
+``update_weights`` returns. Only one attached worker holds the live-KV lease at a time;
+the lease is freed when its connection closes, i.e. when that process is gone.
+
+Run: ``python -m belayer_engine.arena --socket PATH [--device cpu|cuda:N] [model options]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import pickle
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from belayer.errors import BelayerError, UsageError, WorkerLost
+from belayer_engine import arena_memory as mem
+from belayer_engine import arena_protocol as proto
+from belayer_engine import cli_args
+from belayer_engine.model_config import ModelConfig
+from belayer_engine.weights import init_weights, load_safetensors_dir, torch_dtype
+
+
+class ArenaConfig(BaseModel):
+    """Everything the arena needs; one flag per field on the command line."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    socket: str
+    device: str = "cpu"
+    model_dir: str | None = None  # HF-layout dir (config.json + *.safetensors); else seeded
+    preset: Literal["small", "qwen3-4b"] = "small"
+    seed: int = 0
+    num_blocks: int = 256
+    block_size: int = 16
+    scratch_blocks: int = 8
+    ack_timeout_s: float = 30.0  # how long update_weights waits for workers to switch
+    lease_wait_s: float = 2.0  # how long a KV-lease request waits for the holder to die
+
+
+@dataclass
+class _Attached:
+    conn_id: int
+    role: str
+    worker_id: str
+    pid: int
+    version: int
+    sock: socket.socket
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def push(self, msg: dict) -> None:
+        try:
+            with self.send_lock:
+                proto.send(self.sock, msg)
+        except OSError:
+            pass  # the reader thread sees the closed connection and drops it
+
+
+class ArenaServer:
+    """Allocates the regions, answers the control socket, runs weight-version updates."""
+
+    def __init__(self, cfg: ArenaConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.started = time.time()
+        mem.reap_orphans()  # shm files of arenas that were SIGKILLed
+        if cfg.model_dir:
+            self.model = ModelConfig.from_dir(cfg.model_dir)
+            weights = load_safetensors_dir(cfg.model_dir, self.model)
+        else:
+            self.model = ModelConfig() if cfg.preset == "small" else ModelConfig.qwen3_4b()
+            weights = init_weights(self.model, cfg.seed, self.device)
+        self.dtype = torch_dtype(self.model.dtype)
+        self.layout, slot_nbytes = mem.weight_layout(self.model)
+        total_blocks = cfg.num_blocks + cfg.scratch_blocks  # scratch blocks sit at the end
+        sizes = {"w0": slot_nbytes, "w1": slot_nbytes,
+                 "kv": mem.kv_nbytes(self.model, total_blocks, cfg.block_size)}
+        self.regions: dict[str, torch.Tensor] = {}
+        self.handles: dict[str, dict] = {}
+        for name, nbytes in sizes.items():
+            self.regions[name], self.handles[name] = mem.allocate(name, nbytes, self.device)
+        self.slots = [mem.weight_views(self.regions[s], self.layout, self.dtype)
+                      for s in ("w0", "w1")]
+        for name, t in weights.items():
+            self.slots[0][name].copy_(t)
+        self.regions["w1"].copy_(self.regions["w0"])
+        del weights
+        self.version, self.slot = 0, 0
+        self.cond = threading.Condition()
+        self.update_lock = threading.Lock()
+        self.attached: dict[int, _Attached] = {}
+        self.kv_holder: int | None = None
+        self._ids = itertools.count(1)
+        self.server: socketserver.ThreadingUnixStreamServer | None = None
+
+    # ------------------------------------------------------------------ answers
+    def describe(self) -> dict:
+        return {"arena_id": f"{os.getpid()}", "owner_pid": os.getpid(), "device": str(self.device),
+                "model": self.model.to_dict(), "layout": self.layout, "regions": self.handles,
+                "kv": {"num_blocks": self.cfg.num_blocks, "block_size": self.cfg.block_size,
+                       "scratch_blocks": self.cfg.scratch_blocks},
+                "version": self.version, "slot": self.slot}
+
+    def health(self) -> dict:
+        device_ok, detail = True, "ok"
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                probe = torch.ones(1, device=self.device)
+                device_ok = float((probe + 1).item()) == 2.0
+                free, total = torch.cuda.mem_get_info(self.device)
+                detail = f"free {free >> 20} MiB of {total >> 20} MiB"
+            else:
+                gone = [h["path"] for h in self.handles.values() if not Path(h["path"]).is_file()]
+                device_ok, detail = not gone, f"missing {gone}" if gone else "ok"
+        except Exception as exc:  # a failing device answers unhealthy, never crashes us
+            device_ok, detail = False, f"{type(exc).__name__}: {exc}"
+        with self.cond:
+            attached = [{"role": a.role, "worker_id": a.worker_id, "pid": a.pid,
+                         "version": a.version, "kv_lease": a.conn_id == self.kv_holder}
+                        for a in self.attached.values()]
+        return {"status": "ok" if device_ok else "unhealthy", "owner_pid": os.getpid(),
+                "device": str(self.device), "device_ok": device_ok, "device_detail": detail,
+                "version": self.version, "uptime_s": time.time() - self.started,
+                "attached": attached}
+
+    def checksums(self) -> dict:
+        """sha256 of each weight slot, of the live KV blocks and of the scratch blocks."""
+        out = {name: mem.checksum(self.regions[name]) for name in ("w0", "w1")}
+        kv = mem.kv_view(self.regions["kv"], self.model, self.cfg.num_blocks +
+                         self.cfg.scratch_blocks, self.cfg.block_size)
+        out["kv"] = mem.checksum(kv[:, :, : self.cfg.num_blocks].contiguous().view(-1))
+        out["scratch"] = mem.checksum(kv[:, :, self.cfg.num_blocks :].contiguous().view(-1))
+        return out
+
+    # ------------------------------------------------------------------ weight updates
+    def _all_on(self, version: int) -> bool:
+        return all(a.version >= version for a in self.attached.values())
+
+    def _laggards(self, version: int) -> list[str]:
+        return [f"{a.worker_id}(pid {a.pid}, v{a.version})" for a in self.attached.values()
+                if a.version < version]
+
+    def update_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Write a new version into the free slot, publish it, wait for every worker."""
+        for name, t in tensors.items():
+            if name not in self.layout:
+                raise UsageError(f"unknown weight {name!r}")
+            if list(t.shape) != self.layout[name][1]:
+                raise UsageError(f"{name}: shape {list(t.shape)} != {self.layout[name][1]}")
+        with self.update_lock:
+            with self.cond:
+                if not self.cond.wait_for(lambda: self._all_on(self.version),
+                                          self.cfg.ack_timeout_s):
+                    raise WorkerLost(f"workers still serve an older version: "
+                                     f"{self._laggards(self.version)}")
+                staging = 1 - self.slot
+            names = ("w0", "w1")
+            self.regions[names[staging]].copy_(self.regions[names[self.slot]])
+            for name, t in tensors.items():
+                self.slots[staging][name].copy_(t)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            with self.cond:
+                self.version += 1
+                self.slot = staging
+                version = self.version
+                for a in list(self.attached.values()):
+                    a.push({"event": "version", "version": version, "slot": staging})
+                if not self.cond.wait_for(lambda: self._all_on(version), self.cfg.ack_timeout_s):
+                    raise WorkerLost(f"version {version} published but not confirmed by "
+                                     f"{self._laggards(version)}")
+        return version
+
+    def _read_update(self, msg: dict, rfile) -> dict[str, torch.Tensor]:
+        if "ipc" in msg:  # CUDA tensors of a trainer on this device, by IPC handle
+            handles = pickle.loads(__import__("base64").b64decode(msg["ipc"]))
+            return {name: fn(*args) for name, (fn, args) in handles.items()}
+        specs, total = msg.get("tensors"), 0
+        if not isinstance(specs, list):
+            raise UsageError("update_weights needs 'tensors' (a list) or 'ipc'")
+        for s in specs:
+            total += int(s["nbytes"])
+        if total != msg.get("payload_nbytes", 0):
+            raise UsageError("update_weights payload size does not match its tensors")
+        out = {}
+        for s in specs:
+            data = bytearray(rfile.read(int(s["nbytes"])))
+            out[s["name"]] = torch.frombuffer(data, dtype=torch_dtype(s["dtype"])).view(s["shape"])
+        return out
+
+    # ------------------------------------------------------------------ connections
+    def handle(self, sock: socket.socket) -> None:
+        if proto.peer_uid(sock) not in (os.getuid(), 0):
+            return
+        rfile = sock.makefile("rb")
+        while True:
+            msg = proto.recv(rfile)
+            if msg is None:
+                return
+            op = msg.get("op")
+            try:
+                if op == "attach":
+                    self._attached_loop(sock, rfile, msg)
+                    return
+                if op == "describe":
+                    reply = self.describe()
+                elif op == "health":
+                    reply = self.health()
+                elif op == "checksums":
+                    reply = self.checksums()
+                elif op == "update_weights":
+                    reply = {"version": self.update_weights(self._read_update(msg, rfile))}
+                elif op == "shutdown":
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    reply = {"status": "stopping"}
+                else:
+                    raise UsageError(f"unknown op {op!r}")
+            except BelayerError as exc:
+                reply = proto.error_reply(exc)
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                reply = proto.error_reply(UsageError(f"{op}: {type(exc).__name__}: {exc}"))
+            proto.send(sock, reply)
+            if op == "update_weights" and "error" in reply:
+                return  # the payload may be half read: end this connection
+
+    def _acquire_lease(self, conn: _Attached) -> None:
+        with self.cond:
+            free = self.cond.wait_for(lambda: self.kv_holder in (None, conn.conn_id),
+                                      self.cfg.lease_wait_s)
+            if not free:
+                holder = self.attached.get(self.kv_holder)
+                who = f"{holder.worker_id} (pid {holder.pid})" if holder else "?"
+                raise UsageError(f"live KV is held by {who}; fence it before activating another")
+            self.kv_holder = conn.conn_id
+            conn.role = "active"
+
+    def _attached_loop(self, sock: socket.socket, rfile, msg: dict) -> None:
+        role = msg.get("role", "active")
+        if role not in ("active", "shadow"):
+            raise UsageError("attach role must be 'active' or 'shadow'")
+        with self.cond:
+            conn = _Attached(next(self._ids), role, str(msg.get("worker_id", "?")),
+                             proto.peer_pid(sock), self.version, sock)
+            self.attached[conn.conn_id] = conn
+            reply = {"reply": "attach", **self.describe()}
+        try:
+            try:
+                if role == "active":
+                    self._acquire_lease(conn)
+            except BelayerError as exc:
+                conn.push({"reply": "attach", **proto.error_reply(exc)})
+                return
+            conn.push(reply)
+            while (m := proto.recv(rfile)) is not None:
+                op = m.get("op")
+                if op == "using":
+                    with self.cond:
+                        conn.version = int(m["version"])
+                        self.cond.notify_all()
+                elif op == "acquire_kv":
+                    try:
+                        self._acquire_lease(conn)
+                        conn.push({"reply": "acquire_kv", "ok": True})
+                    except BelayerError as exc:
+                        conn.push({"reply": "acquire_kv", **proto.error_reply(exc)})
+                elif op == "ping":
+                    conn.push({"reply": "ping", "version": self.version})
+        finally:
+            with self.cond:
+                self.attached.pop(conn.conn_id, None)
+                if self.kv_holder == conn.conn_id:
+                    self.kv_holder = None
+                self.cond.notify_all()
+
+    # ------------------------------------------------------------------ lifecycle
+    def serve_forever(self) -> None:
+        arena = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                arena.handle(self.request)
+
+        path = Path(self.cfg.socket)
+        path.unlink(missing_ok=True)
+        old = os.umask(0o177)
+        try:
+            self.server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
+        finally:
+            os.umask(old)
+        self.server.daemon_threads = True
+        os.chmod(path, 0o600)
+        print(f'{{"event": "ready", "socket": "{path}", "pid": {os.getpid()}}}', flush=True)
+        try:
+            self.server.serve_forever(poll_interval=0.2)
+        finally:
+            self.cleanup()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+
+    def cleanup(self) -> None:
+        Path(self.cfg.socket).unlink(missing_ok=True)
+        for h in self.handles.values():
+            if h["kind"] == "shm":
+                Path(h["path"]).unlink(missing_ok=True)
+
+
+add_arguments = cli_args.arena
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ArenaConfig(socket=args.socket, device=args.device, model_dir=args.model_dir,
+                      preset=args.preset, seed=args.seed, num_blocks=args.num_blocks,
+                      block_size=args.block_size, scratch_blocks=args.scratch_blocks,
+                      ack_timeout_s=args.ack_timeout_s, lease_wait_s=args.lease_wait_s)
+    torch.set_num_threads(1)
+    server = ArenaServer(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop).start())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m belayer_engine.arena", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

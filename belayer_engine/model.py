@@ -1,0 +1,150 @@
+"""Qwen3-style decoder forward pass over a paged KV cache.
+
+The model holds no parameters of its own: it reads a ``name -> tensor`` mapping (views
+into the arena's weight slot) and a KV tensor (a view into the arena's KV memory). A
+batch is a ragged list of sequences; each contributes consecutive rows (a prefill chunk
+or one decode token), so prefill and decode mix freely in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from belayer_engine import ops
+from belayer_engine.model_config import ModelConfig
+
+
+@dataclass
+class SeqBatch:
+    """One sequence's part of a forward call: rows [start, end) at positions ending at
+    ``ctx_len - 1``; its KV lives in ``block_table`` (block ids into the KV arena)."""
+
+    start: int
+    end: int
+    ctx_len: int
+    block_table: Sequence[int]
+
+
+def kv_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Layout of the KV arena: (layers, k|v, blocks, block_size, kv_heads, head_dim)."""
+    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
+            cfg.head_dim)
+
+
+class Qwen3Model:
+    """Stateless forward over borrowed weights and KV memory."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], exact: bool,
+                 device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.exact = exact
+        self.device = torch.device(device)
+        self.scale = cfg.head_dim ** -0.5
+        self.cos, self.sin = ops.rope_tables(cfg.head_dim, cfg.max_position_embeddings,
+                                             cfg.rope_theta, self.device)
+        self.set_weights(weights)
+
+    def set_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Point at another weight slot (a dict swap: no copy)."""
+        self.w = weights
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
+                kv: torch.Tensor) -> torch.Tensor:
+        """Run rows ``ids`` (n,) at ``positions`` (n,); write their K/V into ``kv``; return
+        logits (len(seqs), vocab) for each sequence's last row."""
+        cfg, w, exact = self.cfg, self.w, self.exact
+        n, bs = ids.shape[0], kv.shape[3]
+        blk = torch.empty(n, dtype=torch.long)
+        for s in seqs:
+            pos = positions[s.start : s.end]
+            table = torch.as_tensor(s.block_table, dtype=torch.long)
+            blk[s.start : s.end] = table[pos // bs]
+        blk = blk.to(self.device)
+        off = (positions % bs).to(self.device)
+        cos, sin = self.cos[positions.to(self.device)], self.sin[positions.to(self.device)]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+        x = w["model.embed_tokens.weight"][ids.to(self.device)]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            q = ops.linear(h, w[p + "self_attn.q_proj.weight"], exact).view(n, hq, d)
+            k = ops.linear(h, w[p + "self_attn.k_proj.weight"], exact).view(n, hkv, d)
+            v = ops.linear(h, w[p + "self_attn.v_proj.weight"], exact).view(n, hkv, d)
+            if cfg.qk_norm:
+                q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+                k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+            kv[i, 0, blk, off] = k.to(kv.dtype)
+            kv[i, 1, blk, off] = v.to(kv.dtype)
+            attn = torch.empty_like(q)
+            for s in seqs:
+                nblk = -(-s.ctx_len // bs)
+                table = torch.as_tensor(s.block_table[:nblk], dtype=torch.long,
+                                        device=self.device)
+                kc = kv[i, 0, table].reshape(-1, hkv, d)[: s.ctx_len]
+                vc = kv[i, 1, table].reshape(-1, hkv, d)[: s.ctx_len]
+                if exact:
+                    first = s.ctx_len - (s.end - s.start)
+                    for r in range(s.start, s.end):
+                        L = first + (r - s.start) + 1
+                        attn[r] = ops.attend_row(q[r], kc[:L], vc[:L], self.scale)
+                else:
+                    attn[s.start : s.end] = ops.attend_causal(q[s.start : s.end], kc, vc,
+                                                              self.scale)
+            x = x + ops.linear(attn.reshape(n, hq * d), w[p + "self_attn.o_proj.weight"], exact)
+            h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            gate = ops.linear(h, w[p + "mlp.gate_proj.weight"], exact)
+            up = ops.linear(h, w[p + "mlp.up_proj.weight"], exact)
+            x = x + ops.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], exact)
+        last = torch.as_tensor([s.end - 1 for s in seqs], dtype=torch.long, device=self.device)
+        h = ops.rms_norm(x[last], w["model.norm.weight"], cfg.rms_norm_eps)
+        return ops.linear(h, self.lm_head, exact).float()
+
+    @torch.inference_mode()
+    def decode_static(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                      ctx_lens: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """One decode row per sequence with shapes fixed by (B, max_blocks): no Python
+        control flow depends on the data, so a CUDA graph can capture it.
+
+        ``tables`` (B, M) holds block ids (unused slots point at a scratch block); keys at
+        or past ``ctx_lens`` are masked out.
+        """
+        cfg, w = self.cfg, self.w
+        b, bs = ids.shape[0], kv.shape[3]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        blk = tables.gather(1, (positions // bs)[:, None])[:, 0]
+        off = positions % bs
+        cos, sin = self.cos[positions], self.sin[positions]
+        span = tables.shape[1] * bs
+        mask = (torch.arange(span, device=ids.device)[None, :] < ctx_lens[:, None])[:, None, None]
+        x = w["model.embed_tokens.weight"][ids]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(b, hq, d)
+            k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(b, hkv, d)
+            v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(b, hkv, d)
+            if cfg.qk_norm:
+                q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+                k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+            kv[i, 0, blk, off] = k.to(kv.dtype)
+            kv[i, 1, blk, off] = v.to(kv.dtype)
+            kc = kv[i, 0][tables].view(b, span, hkv, d).transpose(1, 2)
+            vc = kv[i, 1][tables].view(b, span, hkv, d).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q[:, :, None, :], kc, vc, attn_mask=mask,
+                                                  scale=self.scale, enable_gqa=hq != hkv)
+            x = x + F.linear(attn.reshape(b, hq * d), w[p + "self_attn.o_proj.weight"])
+            h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
+            x = x + F.linear(F.silu(gate) * F.linear(h, w[p + "mlp.up_proj.weight"]),
+                             w[p + "mlp.down_proj.weight"])
+        h = ops.rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

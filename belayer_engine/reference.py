@@ -1,0 +1,62 @@
+"""A plain PyTorch decoder: dense, no KV cache, no paging, no batching.
+
+Each step recomputes the whole sequence. It exists so tests can check the paged,
+continuously batched, arena-backed worker against the simplest possible forward pass over
+the same weights and the same numeric primitives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from belayer_engine import ops
+from belayer_engine.model_config import ModelConfig
+
+
+@torch.inference_mode()
+def dense_logits(cfg: ModelConfig, w: Mapping[str, torch.Tensor], ids: list[int],
+                 exact: bool = True) -> torch.Tensor:
+    """Logits (vocab,) of the last position of ``ids``."""
+    n, hq, hkv, d = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cos, sin = ops.rope_tables(d, cfg.max_position_embeddings, cfg.rope_theta, "cpu")
+    cos, sin = cos[:n], sin[:n]
+    scale = d ** -0.5
+    x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        q = ops.linear(h, w[p + "self_attn.q_proj.weight"], exact).view(n, hq, d)
+        k = ops.linear(h, w[p + "self_attn.k_proj.weight"], exact).view(n, hkv, d)
+        v = ops.linear(h, w[p + "self_attn.v_proj.weight"], exact).view(n, hkv, d)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        if exact:
+            attn = torch.stack([ops.attend_row(q[r], k[: r + 1], v[: r + 1], scale)
+                                for r in range(n)])
+        else:
+            attn = ops.attend_causal(q, k, v, scale)
+        x = x + ops.linear(attn.reshape(n, hq * d), w[p + "self_attn.o_proj.weight"], exact)
+        h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate = ops.linear(h, w[p + "mlp.gate_proj.weight"], exact)
+        up = ops.linear(h, w[p + "mlp.up_proj.weight"], exact)
+        x = x + ops.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], exact)
+    h = ops.rms_norm(x[-1:], w["model.norm.weight"], cfg.rms_norm_eps)
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return ops.linear(h, head, exact).float()[0]
+
+
+def greedy_generate(cfg: ModelConfig, w: Mapping[str, torch.Tensor], prompt: list[int],
+                    max_new_tokens: int, exact: bool = True) -> list[int]:
+    """Greedy tokens by full recomputation (no stop conditions)."""
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(torch.argmax(dense_logits(cfg, w, ids, exact)))
+        out.append(tok)
+        ids.append(tok)
+    return out

@@ -1,0 +1,271 @@
+"""Continuous batching over a paged KV arena.
+
+One thread runs the loop: take new requests and aborts, switch to a newer weight version
+if one was pushed (only between steps, so one step never mixes versions), admit waiting
+requests while KV blocks last, then run one forward call holding every new request's
+prompt rows and one decode row per running request, sample, and emit.
+
+A request reserves the blocks for ``prompt + max_new_tokens`` when admitted, so a running
+request never waits for memory and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from belayer.errors import UsageError
+from belayer_engine.model import Qwen3Model, SeqBatch
+from belayer_engine.sampling import SamplingParams, sample
+from belayer_engine.tokenizer import Tokenizer
+
+
+@dataclass
+class Request:
+    """A generation in flight. ``emit`` is called from the engine thread with each update."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[dict], None]
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    finish_reason: dict | None = None
+    version_start: int | None = None
+    generator: torch.Generator | None = None
+    created: float = field(default_factory=time.time)
+
+
+class BlockAllocator:
+    """Free list of KV block ids. Metadata only: flushing it is the 'logical KV flush'."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+    def reset(self) -> None:
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+
+
+class Engine:
+    """The scheduler loop. Thread-safe entry points: submit, abort, flush, set_weights."""
+
+    def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, block_size: int,
+                 max_running: int = 32, max_prefill_tokens: int = 1024):
+        self.model, self.tok = model, tokenizer
+        self.block_size = block_size
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.kv: torch.Tensor | None = None
+        self.alloc = BlockAllocator(0)
+        self.version = -1
+        self.on_version: Callable[[int], None] = lambda v: None
+        self.cond = threading.Condition()
+        self.inbox: deque[Request] = deque()
+        self.aborts: set[str] = set()
+        self.pending_weights: tuple[int, dict] | None = None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.graphs = None  # a cuda_graphs.GraphRunner on CUDA, else None (eager)
+
+    # ------------------------------------------------------------------ control
+    def attach_kv(self, kv: torch.Tensor, num_blocks: int | None = None) -> None:
+        """Serve from ``kv`` blocks [0, num_blocks) with an empty block table (the logical
+        KV flush); blocks past ``num_blocks`` are scratch and never handed out."""
+        with self.cond:
+            self.kv = kv
+            self.alloc = BlockAllocator(kv.shape[2] if num_blocks is None else num_blocks)
+
+    def set_weights(self, version: int, weights: dict) -> None:
+        """Serve ``version`` from the next step on (immediately when idle)."""
+        with self.cond:
+            self.pending_weights = (version, weights)
+            if self.thread is None:
+                self._switch_weights()
+            self.cond.notify_all()
+
+    def _switch_weights(self) -> None:
+        if self.pending_weights is not None:
+            version, weights = self.pending_weights
+            self.pending_weights = None
+            if version > self.version:
+                self.model.set_weights(weights)
+                if self.graphs is not None:
+                    self.graphs.capture()  # graphs bake in weight addresses: one set per slot
+                self.version = version
+                self.on_version(version)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def capacity_check(self, req: Request) -> None:
+        """Reject what can never fit (a clear 400 instead of waiting forever)."""
+        total = len(req.prompt) + req.params.max_new_tokens
+        if total > self.model.cfg.max_position_embeddings:
+            raise UsageError(f"prompt + max_new_tokens = {total} exceeds the model's "
+                             f"{self.model.cfg.max_position_embeddings} positions")
+        need = -(-total // self.block_size)
+        if need > self.alloc.num_blocks:
+            raise UsageError(f"prompt + max_new_tokens = {total} tokens needs {need} KV blocks; "
+                             f"the arena has {self.alloc.num_blocks}")
+
+    def submit(self, req: Request) -> None:
+        self.capacity_check(req)
+        with self.cond:
+            self.inbox.append(req)
+            self.cond.notify_all()
+
+    def abort(self, rid: str | None) -> None:
+        """Abort one request by id, or all of them when ``rid`` is None."""
+        with self.cond:
+            self.aborts.add("*" if rid is None else rid)
+            self.cond.notify_all()
+
+    def flush(self) -> bool:
+        """Reset KV metadata; refused (False) while requests are in flight."""
+        with self.cond:
+            if self.running or self.waiting or self.inbox:
+                return False
+            self.alloc.reset()
+            return True
+
+    def load(self) -> dict:
+        return {"running": len(self.running), "waiting": len(self.waiting) + len(self.inbox),
+                "free_blocks": len(self.alloc.free)}
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.stopping or self.inbox or self.aborts
+                                   or self.running or self.pending_weights is not None
+                                   or (self.waiting and not self.running))
+                if self.stopping:
+                    return
+                self._switch_weights()
+                self.waiting.extend(self.inbox)
+                self.inbox.clear()
+                aborts, self.aborts = self.aborts, set()
+            self._apply_aborts(aborts)
+            try:
+                self._step()
+            except Exception as exc:  # a bug must not wedge the worker: fail the batch
+                traceback.print_exc(file=sys.stderr)
+                for r in list(self.running):
+                    self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})
+
+    def _apply_aborts(self, aborts: set[str]) -> None:
+        if not aborts:
+            return
+        reason = {"type": "abort", "message": "aborted by request"}
+        for r in [*self.running, *self.waiting]:
+            if "*" in aborts or r.rid in aborts:
+                self._finish(r, reason)
+
+    def _finish(self, r: Request, reason: dict) -> None:
+        r.finish_reason = reason
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self.alloc.release(r.blocks)
+        r.blocks = []
+        self._emit(r)
+
+    def _emit(self, r: Request) -> None:
+        r.emit({"output_ids": list(r.output), "finish_reason": r.finish_reason,
+                "weight_version": self.version, "weight_version_start": r.version_start})
+
+    def _admit(self) -> list[Request]:
+        new, budget = [], self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(new) < self.max_running:
+            r = self.waiting[0]
+            if new and len(r.prompt) > budget:
+                break
+            blocks = self.alloc.alloc(-(-(len(r.prompt) + r.params.max_new_tokens)
+                                        // self.block_size))
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            r.blocks, r.version_start = blocks, self.version
+            r.generator = r.params.generator()
+            budget -= len(r.prompt)
+            if r.params.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
+                continue
+            new.append(r)
+        return new
+
+    def _step(self) -> None:
+        new = self._admit()
+        batch = self.running + new
+        if not batch:
+            return
+        logits = self._graph_decode(batch) if not new else None
+        if logits is None:
+            logits = self._eager(batch, new)
+        self.running.extend(new)
+        greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
+        for i, r in enumerate(batch):
+            tok = greedy[i] if r.params.greedy else sample(logits[i], r.params, r.generator)
+            r.output.append(tok)
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+            else:
+                self._emit(r)
+
+    def _graph_decode(self, batch: list[Request]) -> torch.Tensor | None:
+        if self.graphs is None:
+            return None
+        ctx = [len(r.prompt) + len(r.output) for r in batch]
+        if not self.graphs.fits(len(batch), max(ctx)):
+            return None
+        return self.graphs.run([r.output[-1] for r in batch], [c - 1 for c in ctx],
+                               [r.blocks for r in batch], ctx)
+
+    def _eager(self, batch: list[Request], new: list[Request]) -> torch.Tensor:
+        ids, pos, seqs = [], [], []
+        for r in batch:
+            ctx = len(r.prompt) + len(r.output)
+            rows = r.prompt if r in new else [r.output[-1]]
+            first = ctx - len(rows)
+            seqs.append(SeqBatch(len(ids), len(ids) + len(rows), ctx, r.blocks))
+            ids.extend(rows)
+            pos.extend(range(first, ctx))
+        return self.model.forward(torch.tensor(ids), torch.tensor(pos), seqs, self.kv)
+
+    def _stop_reason(self, r: Request, tok: int) -> dict | None:
+        p = r.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tok.eos_token_ids):
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            text = self.tok.decode(r.output, skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s and s in text:
+                    return {"type": "stop", "matched": s}
+        if len(r.output) >= p.max_new_tokens:
+            return {"type": "length", "length": len(r.output)}
+        return None

@@ -1,0 +1,291 @@
+"""Reference inference worker: SGLang's native HTTP protocol over :class:`WorkerRuntime`.
+
+``python -m belayer_engine.worker --arena-socket PATH [--host 127.0.0.1] --port N
+[--shadow] [--worker-id ID]`` (also ``belayer serve worker``). Routes and fields are
+documented in docs/engine.md; the contract with the router is docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from belayer.errors import ArenaLost, BelayerError, UsageError
+from belayer_engine import cli_args
+from belayer_engine.runtime import WorkerRuntime
+from belayer_engine.sampling import SamplingParams
+from belayer_engine.scheduler import Request
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    arena_socket: str
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535)
+    shadow: bool = False
+    worker_id: str = Field(default_factory=lambda: f"w-{os.getpid()}")
+    threads: int = 1  # fixed intra-op threads: part of what makes CPU greedy output exact
+    max_running: int = Field(32, ge=1)
+    max_prefill_tokens: int = Field(1024, ge=1)
+    tokenizer_dir: str | None = None
+
+
+class GenerateRequest(BaseModel):
+    """SGLang ``/generate`` body (single request). Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    rid: str | None = None
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "body"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+class WorkerApp:
+    """aiohttp routes; the runtime does the work on its own engine thread."""
+
+    def __init__(self, rt: WorkerRuntime):
+        self.rt = rt
+        self.live: dict[str, Request] = {}
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([
+            web.post("/generate", self.generate),
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health_generate),
+            web.get("/get_model_info", self.model_info),
+            web.get("/get_server_info", self.server_info),
+            web.post("/flush_cache", self.flush_cache),
+            web.get("/flush_cache", self.flush_cache),
+            web.post("/abort_request", self.abort_request),
+            web.post("/belayer/activate", self.activate),
+            web.get("/belayer/state", self.state),
+        ])
+        self.app = app
+
+    # ------------------------------------------------------------------ helpers
+    def _unavailable(self) -> web.Response | None:
+        if self.rt.state != "active":
+            return web.json_response({"status": "shadow", "error": {
+                "message": "shadow worker: not serving until POST /belayer/activate"}}, status=503)
+        if not self.rt.arena_ok:
+            return web.json_response({"status": "arena_lost", "error": {
+                "message": "the arena server is gone"}}, status=503)
+        return None
+
+    def _chunk(self, req: Request, ev: dict) -> dict:
+        p = req.params
+        text = self.rt.tokenizer.decode(ev["output_ids"], skip_special_tokens=p.skip_special_tokens)
+        fr = ev["finish_reason"]
+        if fr and isinstance(fr.get("matched"), str) and not p.no_stop_trim:
+            cut = text.find(fr["matched"])
+            text = text[:cut] if cut >= 0 else text
+        return {"text": text, "output_ids": ev["output_ids"], "meta_info": {
+            "id": req.rid, "finish_reason": fr, "prompt_tokens": len(req.prompt),
+            "completion_tokens": len(ev["output_ids"]), "cached_tokens": 0,
+            "weight_version": ev["weight_version"],
+            "weight_version_start": ev["weight_version_start"],
+            "e2e_latency": time.time() - req.created}}
+
+    async def _parse(self, request: web.Request) -> GenerateRequest:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UsageError(f"body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise UsageError("body must be a JSON object (batched requests are not supported)")
+        try:
+            g = GenerateRequest.model_validate(body)
+        except ValidationError as exc:
+            raise UsageError(_validation_message(exc)) from exc
+        if (g.text is None) == (g.input_ids is None):
+            raise UsageError("give exactly one of 'text' or 'input_ids'")
+        ids = g.input_ids if g.input_ids is not None else self.rt.tokenizer.encode(g.text)
+        if not ids:
+            raise UsageError("the prompt is empty")
+        vocab = self.rt.cfg.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise UsageError(f"input_ids out of range [0, {vocab}): {bad[:5]}")
+        g.input_ids = ids
+        return g
+
+    # ------------------------------------------------------------------ routes
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if (resp := self._unavailable()) is not None:
+            return resp
+        try:
+            g = await self._parse(request)
+        except UsageError as exc:
+            return _error(400, str(exc))
+        rid = g.rid or uuid.uuid4().hex
+        if rid in self.live:
+            return _error(400, f"request id {rid!r} is already running")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[dict] = asyncio.Queue()
+        req = Request(rid, list(g.input_ids), g.sampling_params,
+                      lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        try:
+            self.rt.engine.submit(req)
+        except UsageError as exc:
+            return _error(400, str(exc))
+        self.live[rid] = req
+        try:
+            if not g.stream:
+                while (ev := await q.get())["finish_reason"] is None:
+                    pass
+                return web.json_response(self._chunk(req, ev))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            while True:
+                ev = await q.get()
+                await resp.write(b"data: " + json.dumps(self._chunk(req, ev)).encode() + b"\n\n")
+                if ev["finish_reason"] is not None:
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.rt.engine.abort(rid)  # the client went away: free its KV
+            raise
+        finally:
+            self.live.pop(rid, None)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if (resp := self._unavailable()) is not None:
+            return resp
+        return web.json_response({"status": "ok", "weight_version": self.rt.weight_version})
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's one-token probe (writes KV, so a shadow refuses it)."""
+        if (resp := self._unavailable()) is not None:
+            return resp
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def emit(ev):
+            if ev["finish_reason"] is not None:
+                loop.call_soon_threadsafe(done.set_result, ev)
+
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        self.rt.engine.submit(Request(f"health-{uuid.uuid4().hex}", [0], params, emit))
+        try:
+            await asyncio.wait_for(done, 20)
+        except TimeoutError:
+            return _error(503, "health generation timed out")
+        return web.json_response({"status": "ok"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        rt = self.rt
+        return web.json_response({
+            "model_path": rt.info.get("model_path") or "belayer-seeded",
+            "tokenizer_path": None, "is_generation": True,
+            "weight_version": rt.weight_version, "model": rt.cfg.to_dict()})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        rt = self.rt
+        return web.json_response({
+            "version": "belayer-engine-0.1", "worker_id": rt.worker_id, "pid": rt.pid,
+            "state": rt.state, "device": str(rt.device), "weight_version": rt.weight_version,
+            "max_running_requests": rt.engine.max_running, "page_size": rt.block_size,
+            "num_blocks": rt.info["kv"]["num_blocks"], "arena_ok": rt.arena_ok,
+            "init_s": rt.init_s, **rt.engine.load()})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.rt.state != "active" or self.rt.engine.flush():
+            return web.json_response({"status": "flushed"})
+        return _error(400, "cache not flushed: requests are in flight")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "body is not valid JSON")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object with 'rid' or 'abort_all'")
+        if body.get("abort_all"):
+            self.rt.engine.abort(None)
+            return web.json_response({"aborted": "all"})
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            return _error(400, "give 'rid' (a string) or 'abort_all': true")
+        self.rt.engine.abort(rid)
+        return web.json_response({"aborted": [rid], "found": rid in self.live})
+
+    async def activate(self, request: web.Request) -> web.Response:
+        try:
+            took = await asyncio.get_running_loop().run_in_executor(None, self.rt.activate)
+        except UsageError as exc:
+            return _error(409, str(exc))
+        except (ArenaLost, BelayerError) as exc:
+            return _error(503, str(exc))
+        return web.json_response({"status": "active", "activate_s": took})
+
+    async def state(self, request: web.Request) -> web.Response:
+        rt = self.rt
+        return web.json_response({"state": rt.state, "worker_id": rt.worker_id, "pid": rt.pid,
+                                  "weight_version": rt.weight_version, "device": str(rt.device),
+                                  "arena_ok": rt.arena_ok})
+
+
+add_arguments = cli_args.worker
+
+
+def run(args: argparse.Namespace) -> int:
+    fields = {k: v for k, v in vars(args).items() if k in WorkerConfig.model_fields and v is not None}
+    cfg = WorkerConfig(**fields)
+    rt = WorkerRuntime(cfg.arena_socket, cfg.worker_id, cfg.shadow, cfg.threads,
+                       cfg.max_running, cfg.max_prefill_tokens, tokenizer_dir=cfg.tokenizer_dir)
+    return asyncio.run(_serve(WorkerApp(rt), cfg))
+
+
+async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
+    runner = web.AppRunner(worker.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(),
+                      "state": worker.rt.state, "init_s": worker.rt.init_s}), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        worker.rt.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m belayer_engine.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

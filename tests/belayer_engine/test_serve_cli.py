@@ -1,0 +1,31 @@
+"""``belayer serve arena|worker``: parsers build without torch; flags reach the configs."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from belayer.cli import serve
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    serve.add_parser(p.add_subparsers())
+    return p.parse_args(argv)
+
+
+def test_serve_parsers_and_targets():
+    a = _parse(["serve", "arena", "--socket", "/tmp/x.sock", "--num-blocks", "9"])
+    assert a.func is serve.run and a.serve_runner == "belayer_engine.arena:run"
+    assert a.socket == "/tmp/x.sock" and a.num_blocks == 9 and a.device == "cpu"
+    w = _parse(["serve", "worker", "--arena-socket", "s", "--shadow", "--port", "0"])
+    assert w.shadow and w.port == 0 and w.host == "127.0.0.1"
+    assert {"arena", "worker"} <= set(serve.TARGETS)
+
+
+def test_building_the_parser_does_not_import_torch():
+    code = ("import sys, argparse; from belayer.cli import serve; "
+            "p = argparse.ArgumentParser(); serve.add_parser(p.add_subparsers()); "
+            "assert 'torch' not in sys.modules and 'aiohttp' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
