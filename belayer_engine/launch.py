@@ -1,0 +1,120 @@
+"""``RecoverableEngine``: router + supervisor + processes behind one ``base_url``.
+
+The engine runs its own event loop in a background thread, so it can be used from plain
+synchronous code (``with RecoverableEngine.launch() as engine:``) and from async code
+alike; the arena, workers and shadows are real child processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from .router import Router, RouterConfig
+from .supervisor import Supervisor
+from .supervisor_config import SupervisorConfig
+
+
+class RecoverableEngine:
+    """An OpenAI-compatible endpoint that survives worker, stall and arena failures."""
+
+    def __init__(self, supervisor: SupervisorConfig | None = None, router: RouterConfig | None = None) -> None:
+        self.supervisor_config = supervisor or SupervisorConfig()
+        self.router_config = router or RouterConfig()
+        if self.router_config.tokenizer is None and self.supervisor_config.model:
+            self.router_config = self.router_config.model_copy(update={"tokenizer": self.supervisor_config.model})
+        self.base_url: str = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="belayer-engine", daemon=True)
+        self.router: Router | None = None
+        self.supervisor: Supervisor | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def launch(
+        cls,
+        model: str | None = None,
+        workers: int = 1,
+        shadow: bool = True,
+        device: str = "cpu",
+        *,
+        router: RouterConfig | None = None,
+        **supervisor_options,
+    ) -> Iterator[RecoverableEngine]:
+        """Start arena(s), workers, shadows and the router; stop them all on exit.
+
+        ``base_url`` ends in ``/v1`` so it can be given to ``openai.OpenAI(base_url=...)``.
+        """
+        config = SupervisorConfig(model=model, workers=workers, shadow=shadow, device=device, **supervisor_options)
+        engine = cls(config, router)
+        engine.start()
+        try:
+            yield engine
+        finally:
+            engine.stop()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread.start()
+        try:
+            self.call(self._start(), timeout=self.supervisor_config.start_timeout_s * 2)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _start(self) -> None:
+        self.router = Router(self.router_config)
+        self.supervisor = Supervisor(self.supervisor_config, self.router.table)
+        self.router.status = self.supervisor.status
+        url = await self.router.start()
+        self.base_url = url + "/v1"
+        await self.supervisor.start()
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def _stop() -> None:
+            if self.router:
+                await self.router.stop()
+            if self.supervisor:
+                await self.supervisor.stop()
+
+        with contextlib.suppress(Exception):
+            self.call(_stop(), timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ helpers
+
+    def call(self, coro, timeout: float | None = None):
+        """Run ``coro`` on the engine's loop from any thread and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def wait_ready(self, timeout: float = 120.0, stable: bool = False) -> None:
+        """Block until every usable slot serves with a shadow armed (see Supervisor.wait_ready)."""
+        assert self.supervisor is not None
+        self.call(self.supervisor.wait_ready(timeout, stable), timeout=timeout + 5)
+
+    def wait_event(self, kind: str, since: float, timeout: float = 60.0) -> dict:
+        """Block until the supervisor logs event ``kind`` at/after ``since`` (time.monotonic())."""
+        assert self.supervisor is not None
+        return self.call(self.supervisor.wait_event(kind, since, timeout), timeout=timeout + 5)
+
+    def status(self) -> dict:
+        assert self.supervisor is not None
+        return self.call(_value(self.supervisor.status))
+
+    def worker_pid(self, slot: int = 0) -> int | None:
+        return self.status()["slots"][f"w{slot}"]["worker_pid"]
+
+    def events(self) -> list[dict]:
+        assert self.supervisor is not None
+        return self.call(_value(lambda: list(self.supervisor.events)))
+
+
+async def _value(fn):
+    return fn()

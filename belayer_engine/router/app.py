@@ -1,0 +1,123 @@
+"""The router server: an aiohttp app binding the OpenAI handlers to a routing table.
+
+Two ways to feed the table: a ``Supervisor`` (handover, shadows, exclusion) or a fixed
+list of worker URLs (e.g. real SGLang servers), which the router probes itself: a lost
+worker comes back as a new endpoint once its ``/health`` answers 200 again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from .codec import Codec, load_codec
+from .config import RouterConfig
+from .openai_api import OpenAIHandlers, error_response
+from .recovery import Continuation
+from .table import Endpoint, RoutingTable
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """OpenAI-compatible front door; call ``start()`` inside a running event loop."""
+
+    def __init__(self, config: RouterConfig | None = None, codec: Codec | None = None, status=None) -> None:
+        self.config = config or RouterConfig()
+        self.table = RoutingTable()
+        self.codec = codec
+        self.status = status  # optional callable -> dict (the supervisor's view)
+        self.base_url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._probe: asyncio.Task | None = None
+        self._static: dict[str, str] = {}
+
+    def add_static_workers(self, urls: list[str]) -> None:
+        """Serve fixed worker URLs without a supervisor (the router probes their health)."""
+        for i, url in enumerate(urls):
+            self._static[f"s{i}"] = url.rstrip("/")
+            self.table.add_slot(f"s{i}")
+
+    def build_app(self) -> web.Application:
+        cfg = self.config
+        if self.codec is None:
+            self.codec = load_codec(cfg.tokenizer)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        handlers = OpenAIHandlers(Continuation(self.table, self._session, cfg), self.codec, cfg.model_name, cfg.default_max_tokens)
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_post("/v1/chat/completions", handlers.chat)
+        app.router.add_post("/v1/completions", handlers.completions)
+        app.router.add_get("/v1/models", handlers.models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/belayer/workers", self._workers)
+        return app
+
+    async def start(self) -> str:
+        app = self.build_app()
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        sock = site._server.sockets[0]  # the bound port when 0 was asked for
+        port = sock.getsockname()[1]
+        self.base_url = f"http://{self.config.host}:{port}"
+        if self.config.host not in ("127.0.0.1", "localhost", "::1") and not self.config.api_key:
+            log.warning("router bound to %s without an API key: anyone who can reach it can use it", self.config.host)
+        if self._static:
+            self._probe = asyncio.create_task(self._probe_loop())
+        log.info("router listening on %s", self.base_url)
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._probe:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ handlers
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.config.api_key
+        if key and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return error_response(401, "invalid or missing API key", "authentication_error")
+        return await handler(request)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        live = [e for e in self.table.endpoints() if not e.lost]
+        return web.json_response({"status": "ok" if live else "degraded", "workers": len(live)}, status=200 if live else 503)
+
+    async def _workers(self, request: web.Request) -> web.Response:
+        view = self.table.snapshot()
+        if self.status is not None:
+            view["supervisor"] = self.status()
+        return web.json_response(view)
+
+    async def _probe_loop(self) -> None:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout_s)
+        while True:
+            live = {e.slot: e for e in self.table.endpoints() if not e.lost}
+            for slot, url in self._static.items():
+                ok = False
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    async with self._session.get(url + "/health", timeout=timeout) as resp:
+                        ok = resp.status == 200
+                if ok and slot not in live:
+                    await self.table.activate(Endpoint(slot=slot, url=url))
+                elif not ok and slot in live:
+                    self.table.report_failure(live[slot], "health probe failed")
+            await asyncio.sleep(self.config.probe_interval_s)
+

@@ -1,0 +1,51 @@
+"""Text <-> token ids on the router side, so every prompt and response token is known.
+
+The router must know prompt ids to re-send them after a failure, so it tokenizes (and
+applies the chat template) itself. It uses the worker package's torch-free tokenizer and
+chat-template modules; it never imports model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+from belayer.errors import ConfigError
+
+
+class Codec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict]) -> list[int]: ...
+
+
+class TokenizerCodec:
+    """Adapter over ``belayer_engine.tokenizer`` + ``belayer_engine.chat_template``."""
+
+    def __init__(self, tokenizer, chat_render) -> None:
+        self._tok = tokenizer
+        self._render = chat_render
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids))
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        rendered = self._render(messages)
+        if isinstance(rendered, str):
+            return self.encode(rendered)
+        return list(rendered)
+
+
+def load_codec(model_dir: str | None) -> Codec:
+    """The codec of a model directory (its ``tokenizer.json``) or of the embedded model (``None``)."""
+    try:
+        tok_mod = importlib.import_module("belayer_engine.tokenizer")
+        chat_mod = importlib.import_module("belayer_engine.chat_template")
+    except ImportError as exc:
+        raise ConfigError(f"router needs belayer_engine.tokenizer/chat_template: {exc}") from exc
+    return TokenizerCodec(tok_mod.load_tokenizer(model_dir), chat_mod.apply_chat_template)

@@ -1,0 +1,137 @@
+"""Token-level context recovery: one logical generation over as many workers as it takes.
+
+The router records every token id it has streamed to the client. When the worker fails,
+the same request is re-sent to a live worker as ``prompt + generated`` with the remaining
+budget, and the continuation is spliced in: nothing is lost, nothing is sent twice. With
+greedy decoding the worker's exact re-prefill makes the result token-identical to a
+fault-free run. In ``chunk`` mode the preserved prefix only advances every k tokens (the
+reference paper's scheme); the regenerated tail is compared with what the client already
+has and suppressed, and counted in ``regenerated``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from belayer.errors import WorkerLost
+
+from .config import RouterConfig
+from .table import RoutingTable
+from .upstream import Chunk, stream_generate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """The state of one logical request, kept by the router across workers."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: dict
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    generated: list[int] = field(default_factory=list)
+    finish: dict | None = None
+    recoveries: int = 0
+    regenerated: int = 0
+    workers: list[str] = field(default_factory=list)
+    weight_version: object = None
+    weight_versions: list = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
+    diverged: bool = False
+
+    def summary(self) -> dict:
+        return {
+            "rid": self.rid,
+            "recoveries": self.recoveries,
+            "regenerated_tokens": self.regenerated,
+            "workers": self.workers,
+            "failures": self.failures,
+            "weight_version": self.weight_version,
+            "weight_versions": self.weight_versions,  # more than one: the response mixes versions
+            "diverged": self.diverged,
+        }
+
+
+class _Diverged(Exception):
+    """A regenerated tail differs from what the client already has.
+
+    Happens in chunk mode with sampling, or where re-prefill is not bit-exact (bf16 on GPU).
+    """
+
+
+class Continuation:
+    """Drives a ``Generation`` to completion, yielding only new token ids (and worker text)."""
+
+    def __init__(self, table: RoutingTable, session: aiohttp.ClientSession, config: RouterConfig):
+        self.table = table
+        self.session = session
+        self.config = config
+
+    async def run(self, gen: Generation) -> AsyncIterator[Chunk]:
+        cfg = self.config
+        force_token_level = False
+        attempt = 0
+        while True:
+            endpoint = await self.table.acquire(cfg.request_wait_s)
+            if cfg.recovery == "chunk" and not force_token_level:
+                keep = (len(gen.generated) // cfg.chunk_tokens) * cfg.chunk_tokens
+            else:
+                keep = len(gen.generated)
+            skip = len(gen.generated) - keep
+            body = {
+                "input_ids": gen.prompt_ids + gen.generated[:keep],
+                "sampling_params": {**gen.sampling, "max_new_tokens": gen.max_new_tokens - keep},
+                "stream": True,
+                "rid": f"{gen.rid}-{attempt}",
+            }
+            attempt += 1
+            gen.workers.append(f"{endpoint.slot}#{endpoint.instance}")
+            try:
+                async for chunk in stream_generate(
+                    self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,
+                    connect_timeout=cfg.connect_timeout_s, probe_timeout=cfg.stall_probe_timeout_s,
+                    max_silence=cfg.max_silence_s,
+                ):
+                    new = chunk.ids
+                    if skip:
+                        tail = gen.generated[len(gen.generated) - skip :]
+                        overlap = new[: len(tail)]
+                        if overlap != tail[: len(overlap)]:
+                            raise _Diverged()
+                        gen.regenerated += len(overlap)
+                        skip -= len(overlap)
+                        new = new[len(overlap) :]
+                        if chunk.finish and skip:
+                            raise _Diverged()
+                    gen.generated.extend(new)
+                    gen.weight_version = chunk.meta.get("weight_version", gen.weight_version)
+                    if gen.weight_version is not None and gen.weight_version not in gen.weight_versions:
+                        gen.weight_versions.append(gen.weight_version)
+                    if chunk.finish:
+                        gen.finish = chunk.finish
+                    if new or chunk.finish:
+                        yield Chunk(ids=new, text=chunk.text, finish=chunk.finish, meta=chunk.meta)
+                    if chunk.finish:
+                        return
+            except _Diverged:
+                log.warning("request %s: regenerated tail diverged; resuming token-level", gen.rid)
+                force_token_level = gen.diverged = True
+                continue
+            except WorkerLost as exc:
+                self.table.report_failure(endpoint, str(exc))
+                gen.recoveries += 1
+                gen.failures.append({"endpoint": f"{endpoint.slot}#{endpoint.instance}", "reason": str(exc), "at_token": len(gen.generated), "t": time.time()})
+                log.info("request %s: %s lost at token %d (%s); resuming", gen.rid, endpoint, len(gen.generated), exc)
+                if gen.recoveries > cfg.max_recoveries:
+                    raise WorkerLost(f"request {gen.rid} gave up after {gen.recoveries} worker failures: {exc}") from exc
+                if len(gen.generated) >= gen.max_new_tokens:
+                    gen.finish = {"type": "length", "length": gen.max_new_tokens}
+                    yield Chunk(ids=[], text="", finish=gen.finish, meta={})
+                    return

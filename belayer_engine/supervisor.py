@@ -1,0 +1,347 @@
+"""The supervisor: starts arena, worker and shadow per slot and runs every recovery.
+
+Recovery decisions for the engine half live here (the router only reports what it saw):
+
+- worker failure (process exit, broken stream or stall reported by the router, failed
+  health probes): detect -> fence (SIGKILL the process group, wait until reaped) -> check
+  the arena -> activate the shadow (``POST /belayer/activate``: flush KV metadata, attach)
+  -> swap it into the routing table -> in-flight requests resume there -> arm a new
+  shadow in the background. No shadow ready: cold-start a worker instead.
+- the replacement fails again within ``unhealthy_window_s``: the device is marked
+  unhealthy and excluded; its requests move to the other slots; an alert is logged.
+- arena failure: cold restart of arena and worker; requests wait (delay, not an error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from belayer.errors import DeviceUnhealthy, WorkerLost
+
+from .router.table import Endpoint, RoutingTable
+from .supervisor_config import SupervisorConfig
+from .supervisor_procs import Proc, fence
+from .supervisor_slot import Slot, SlotProcesses, started_for
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """Owns the processes of every slot; feeds the router's ``RoutingTable``."""
+
+    def __init__(self, config: SupervisorConfig, table: RoutingTable) -> None:
+        self.config = config
+        self.table = table
+        self.events: list[dict] = []
+        self.slots: list[Slot] = []
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._procs: SlotProcesses | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._changed = asyncio.Condition()
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.run_dir:
+            run_dir = Path(cfg.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="belayer-engine-")
+            run_dir = Path(self._tmp.name)
+        self._session = aiohttp.ClientSession()
+        self._procs = SlotProcesses(cfg, run_dir, self._session)
+        self.table.add_listener(self._on_router_failure)
+        for i in range(cfg.workers):
+            slot = Slot(name=f"w{i}", index=i, device=cfg.device_of(i), socket=run_dir / f"arena{i}.sock")
+            self.slots.append(slot)
+            self.table.add_slot(slot.name)
+        await asyncio.gather(*(self._start_slot(s) for s in self.slots))
+        self._spawn_task(self._health_loop())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        arming = [s.arming for s in self.slots if s.arming]
+        for task in [*self._tasks, *arming]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *arming, return_exceptions=True)
+        for slot in self.slots:
+            for proc in (slot.worker, slot.shadow, slot.arena):
+                if proc is not None:
+                    with contextlib.suppress(WorkerLost):
+                        await fence(proc, self.config.fence_timeout_s)
+        if self._session:
+            await self._session.close()
+        if self._tmp:
+            self._tmp.cleanup()
+
+    # ------------------------------------------------------------------ views and waits
+
+    def status(self) -> dict:
+        return {
+            "slots": {
+                s.name: {
+                    "device": s.device,
+                    "worker_pid": s.worker.pid if s.worker else None,
+                    "worker_url": s.worker.url if s.worker else None,
+                    "shadow_pid": s.shadow.pid if s.shadow else None,
+                    "arena_pid": s.arena.pid if s.arena else None,
+                    "routed": s.endpoint is not None,
+                    "shadow_ready": s.shadow is not None,
+                    "excluded": s.excluded,
+                    "handovers": s.handovers,
+                    "cold_starts": s.cold_starts,
+                }
+                for s in self.slots
+            },
+            "events": self.events[-200:],
+        }
+
+    def _settled(self, stable: bool) -> bool:
+        now = time.monotonic()
+        for s in self.slots:
+            if s.excluded:
+                continue
+            if s.lock.locked() or s.endpoint is None or (self.config.shadow and s.shadow is None):
+                return False
+            if stable and s.activated_at is not None and now - s.activated_at < self.config.unhealthy_window_s:
+                return False
+        return True
+
+    async def wait_ready(self, timeout: float, stable: bool = False) -> None:
+        """Wait until every usable slot serves and has a shadow armed.
+
+        ``stable`` also waits out the unhealthy window, so that the next failure is
+        treated as a fresh one rather than as a repeated failure of the device.
+        """
+        await self._wait(lambda: self._settled(stable), timeout, lambda: f"engine not ready: {self.status()['slots']}")
+
+    async def wait_event(self, kind: str, since: float, timeout: float) -> dict:
+        """The first event ``kind`` at or after monotonic time ``since`` (bounded wait)."""
+        def find():
+            return next((e for e in self.events if e["event"] == kind and e["t"] >= since), None)
+
+        return await self._wait(find, timeout, lambda: f"no {kind!r} event; last events: {self.events[-5:]}")
+
+    async def _wait(self, predicate, timeout: float, failure):
+        deadline = time.monotonic() + timeout
+        async with self._changed:
+            while not (value := predicate()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerLost(f"after {timeout:.0f}s: {failure()}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min(left, 0.2))
+            return value
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _event(self, slot: Slot, kind: str, **extra) -> None:
+        self.events.append({"t": time.monotonic(), "wall": time.time(), "slot": slot.name, "event": kind, **extra})
+        self._spawn_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _spawn_task(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _start_arena(self, slot: Slot) -> None:
+        assert self._procs is not None
+        slot.arena = await self._procs.start_arena(slot)
+        self._watch(slot, slot.arena)
+        self._event(slot, "arena_ready", pid=slot.arena.pid, start_s=started_for(slot.arena))
+
+    async def _start_worker(self, slot: Slot, shadow: bool) -> Proc:
+        assert self._procs is not None
+        proc = await self._procs.start_worker(slot, shadow)
+        self._watch(slot, proc)
+        if not shadow:
+            slot.cold_starts += 1
+        self._event(slot, f"{proc.role}_ready", pid=proc.pid, start_s=started_for(proc))
+        return proc
+
+    async def _start_slot(self, slot: Slot) -> None:
+        async with slot.lock:
+            await self._start_arena(slot)
+            self._rearm(slot)
+            await self._route(slot, await self._start_worker(slot, shadow=False))
+
+    def _rearm(self, slot: Slot) -> None:
+        """Start a new shadow in the background (never on the critical path)."""
+        if not self.config.shadow or slot.excluded or self._stopping:
+            return
+        if slot.arming is not None and not slot.arming.done():
+            return
+
+        async def arm() -> None:
+            try:
+                slot.shadow = await self._start_worker(slot, shadow=True)
+            except WorkerLost as exc:
+                log.warning("slot %s: shadow failed to start: %s", slot.name, exc)
+                self._event(slot, "shadow_failed", reason=str(exc)[:300])
+            await self._notify()
+
+        slot.arming = asyncio.create_task(arm())
+
+    async def _route(self, slot: Slot, proc: Proc) -> None:
+        proc.role = "worker"
+        slot.worker = proc
+        slot.endpoint = Endpoint(slot=slot.name, url=proc.url or "", device=slot.device, pid=proc.pid)
+        slot.probe_failures = 0
+        await self.table.activate(slot.endpoint)
+        self._event(slot, "routed", pid=proc.pid)
+
+    # ------------------------------------------------------------------ detection
+
+    def _watch(self, slot: Slot, proc: Proc) -> None:
+        async def watch() -> None:
+            code = await proc.process.wait()
+            if proc.fenced or self._stopping:
+                return
+            if proc is slot.worker:
+                await self._handle_worker_failure(slot, proc, "exit", f"worker exited with {code}")
+            elif proc is slot.arena:
+                await self._handle_arena_failure(slot, proc, f"arena exited with {code}")
+            elif proc is slot.shadow:
+                slot.shadow = None
+                self._event(slot, "shadow_lost", code=code)
+                self._rearm(slot)
+
+        self._spawn_task(watch())
+
+    def _on_router_failure(self, endpoint: Endpoint, reason: str) -> None:
+        for slot in self.slots:
+            if slot.endpoint is endpoint and slot.worker is not None:
+                self._spawn_task(self._handle_worker_failure(slot, slot.worker, "router", reason))
+
+    async def _health_loop(self) -> None:
+        """Catches stalls of idle workers (busy ones are caught by the router's stall timeout)."""
+        cfg = self.config
+        assert self._procs is not None
+        while True:
+            await asyncio.sleep(cfg.health_interval_s)
+            for slot in self.slots:
+                proc = slot.worker
+                if proc is None or slot.lock.locked() or not proc.alive:
+                    continue
+                ok = await self._procs.healthy(proc)
+                slot.probe_failures = 0 if ok else slot.probe_failures + 1
+                if slot.probe_failures >= cfg.health_failures and proc is slot.worker:
+                    self._spawn_task(self._handle_worker_failure(slot, proc, "health", "health probes failed"))
+
+    # ------------------------------------------------------------------ recovery
+
+    async def _handle_worker_failure(self, slot: Slot, proc: Proc, source: str, reason: str) -> None:
+        cfg = self.config
+        async with slot.lock:
+            if slot.excluded or slot.worker is not proc or self._stopping:
+                return  # already handled (several detectors saw the same failure)
+            t0 = time.monotonic()
+            self._event(slot, "detected", source=source, reason=reason, pid=proc.pid)
+            await self.table.mark_down(slot.name, reason)
+            slot.worker, slot.endpoint = None, None
+            await fence(proc, cfg.fence_timeout_s)
+            self._event(slot, "fenced", pid=proc.pid, fence_s=time.monotonic() - t0)
+            if not await self._arena_ok(slot):
+                await self._cold_restart(slot, "arena unhealthy at handover")
+                return
+            if slot.activated_at is not None and t0 - slot.activated_at < cfg.unhealthy_window_s:
+                await self._exclude(slot, f"replacement failed again {t0 - slot.activated_at:.2f}s after handover: {reason}")
+                return
+            new, path = await self._take_shadow(slot), "shadow"
+            if new is None:
+                path = "cold"
+                try:
+                    new = await self._start_worker(slot, shadow=False)
+                except WorkerLost as exc:
+                    await self._exclude(slot, f"no replacement could start: {exc}")
+                    return
+            await self._route(slot, new)
+            slot.activated_at = time.monotonic()
+            slot.handovers += 1
+            self._event(slot, "handover", path=path, total_s=slot.activated_at - t0)
+            self._rearm(slot)
+
+    async def _take_shadow(self, slot: Slot) -> Proc | None:
+        """Activate the slot's shadow (awaiting one that is still arming); None if there is none."""
+        assert self._procs is not None
+        if slot.shadow is None and slot.arming is not None:
+            with contextlib.suppress(Exception):
+                await slot.arming  # a shadow about to be ready beats a cold start
+        shadow, slot.shadow = slot.shadow, None
+        if shadow is None or not shadow.alive:
+            return None
+        try:
+            took = await self._procs.activate(shadow)
+        except WorkerLost as exc:
+            log.warning("slot %s: shadow activation failed (%s); cold start instead", slot.name, exc)
+            await fence(shadow, self.config.fence_timeout_s)
+            return None
+        self._event(slot, "activated", pid=shadow.pid, activate_s=took)
+        return shadow
+
+    async def _arena_ok(self, slot: Slot) -> bool:
+        """Owner alive and answering, the device healthy, and still the owner we started."""
+        assert self._procs is not None and slot.arena is not None
+        health = await self._procs.arena_health(slot)
+        ok = bool(health) and health.get("device_ok", True) and health.get("owner_pid") in (None, slot.arena.pid)
+        self._event(slot, "arena_checked", ok=ok, detail=(health or {}).get("device_detail"))
+        return ok
+
+    async def _fence_slot_children(self, slot: Slot) -> None:
+        if slot.arming is not None:
+            slot.arming.cancel()
+            with contextlib.suppress(BaseException):
+                await slot.arming
+        for proc in (slot.worker, slot.shadow):
+            if proc is not None:
+                await fence(proc, self.config.fence_timeout_s)
+        slot.worker = slot.shadow = slot.endpoint = None
+
+    async def _cold_restart(self, slot: Slot, reason: str) -> None:
+        """Arena gone: restart everything of the slot (caller holds the lock)."""
+        log.error("slot %s: %s; cold restart of arena and worker", slot.name, reason)
+        self._event(slot, "arena_lost", reason=reason)
+        await self.table.mark_down(slot.name, reason)
+        await self._fence_slot_children(slot)
+        if slot.arena is not None:
+            await fence(slot.arena, self.config.fence_timeout_s)
+        try:
+            await self._start_arena(slot)
+            await self._route(slot, await self._start_worker(slot, shadow=False))
+        except WorkerLost as exc:
+            await self._exclude(slot, f"cold restart failed (ArenaLost): {exc}")
+            return
+        slot.activated_at = None
+        self._event(slot, "cold_restart")
+        self._rearm(slot)
+
+    async def _handle_arena_failure(self, slot: Slot, proc: Proc, reason: str) -> None:
+        async with slot.lock:
+            if slot.excluded or slot.arena is not proc or self._stopping:
+                return
+            await self._cold_restart(slot, reason)
+
+    async def _exclude(self, slot: Slot, reason: str) -> None:
+        err = DeviceUnhealthy(f"device {slot.device} (slot {slot.name}) marked unhealthy: {reason}")
+        log.error("ALERT: %s", err)
+        slot.excluded = True
+        self._event(slot, "excluded", reason=str(err))
+        await self.table.exclude(slot.name, str(err))
+        await self._fence_slot_children(slot)
+        if slot.arena is not None:
+            await fence(slot.arena, self.config.fence_timeout_s)

@@ -1,0 +1,32 @@
+"""Supervisor configuration: what to start, and how quickly to declare things dead."""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import BaseModel, Field
+
+
+class SupervisorConfig(BaseModel):
+    """One slot per worker; each slot has its own arena (device) and, optionally, a shadow."""
+
+    workers: int = Field(default=1, ge=1)
+    shadow: bool = True
+    device: str = Field(default="cpu", description="'cpu', 'cuda' (slot i -> cuda:i) or 'cuda:N'")
+    model: str | None = Field(default=None, description="local HF-layout model dir; None = embedded small model")
+    arena_args: list[str] = Field(default_factory=list, description="extra arena options")
+    worker_args: list[str] = Field(default_factory=list, description="extra worker options")
+    host: str = "127.0.0.1"
+    python: str = sys.executable
+    run_dir: str | None = Field(default=None, description="logs + sockets; None = a temporary directory")
+    start_timeout_s: float = Field(default=180.0, gt=0)
+    fence_timeout_s: float = Field(default=10.0, gt=0)
+    unhealthy_window_s: float = Field(default=10.0, ge=0, description="a replacement failing within this = bad device")
+    health_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=5.0, gt=0)
+    health_failures: int = Field(default=3, ge=1, description="consecutive failed probes that count as a stall")
+
+    def device_of(self, slot_index: int) -> str:
+        if self.device == "cuda":
+            return f"cuda:{slot_index}"
+        return self.device

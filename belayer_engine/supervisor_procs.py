@@ -1,0 +1,115 @@
+"""Child processes for the supervisor: spawn in their own process group, wait, fence.
+
+Every arena, worker and shadow runs in a new session (its own process group), so fencing
+kills everything the worker started and nothing else. Fencing is SIGKILL to the group,
+then waiting until the child is reaped and the group is empty: only then may a shadow
+touch the KV arena the old worker was writing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from belayer.errors import WorkerLost
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(eq=False)
+class Proc:
+    """One child process and what the supervisor knows about it."""
+
+    role: str  # "arena" | "worker" | "shadow"
+    name: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+    url: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    fenced: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    def log_tail(self, n: int = 2000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-n:]
+        return ""
+
+
+async def spawn(role: str, name: str, argv: list[str], log_path: Path, url: str | None = None, env: dict | None = None) -> Proc:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True, env=env,
+        )
+    return Proc(role=role, name=name, process=process, log_path=log_path, url=url)
+
+
+async def fence(proc: Proc, timeout: float) -> float:
+    """SIGKILL the process group and wait until reaped and empty; returns seconds taken."""
+    t0 = time.monotonic()
+    proc.fenced = True
+    pgid = proc.pid  # start_new_session: pgid == pid
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    try:
+        await asyncio.wait_for(proc.process.wait(), timeout)
+    except TimeoutError:
+        raise WorkerLost(f"{proc.name} (pid {proc.pid}) not reaped {timeout:.1f}s after SIGKILL") from None
+    deadline = time.monotonic() + timeout
+    while True:  # grandchildren of the group may outlive the leader by a moment
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            raise WorkerLost(f"process group {pgid} of {proc.name} still alive after SIGKILL")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+async def wait_until(
+    check: Callable[[], Awaitable[bool]], proc: Proc, timeout: float, what: str, interval: float = 0.05
+) -> None:
+    """Poll ``check`` until true; fail fast with the log tail if ``proc`` dies first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc.alive:
+            raise WorkerLost(f"{proc.name} exited ({proc.process.returncode}) before {what}:\n{proc.log_tail()}")
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            if await check():
+                return
+        if time.monotonic() > deadline:
+            raise WorkerLost(f"{proc.name} not {what} after {timeout:.0f}s:\n{proc.log_tail()}")
+        await asyncio.sleep(interval)
+
+
+async def http_status(session: aiohttp.ClientSession, url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        try:
+            body = await resp.json(content_type=None)
+        except ValueError:
+            body = {}
+        return resp.status, body if isinstance(body, dict) else {}

@@ -1,0 +1,210 @@
+"""SIGKILL a worker mid-stream; measure how long the client waits for the next token.
+
+Compares (a) a cold restart of the worker (no shadow) with (b) a shadow handover, side by
+side on the same machine, and token-level recovery with the coarse every-k scheme (tokens
+regenerated). Writes JSON and a plot to ``benchmarks/results/``.
+
+    python benchmarks/engine_handover.py                 # CPU, embedded small model
+    python benchmarks/engine_handover.py --device cuda:0 --arena-arg=--preset --arena-arg=qwen3-4b
+
+Kill-to-first-token is measured from the ``kill()`` call to the arrival at the client of
+the first token produced by the replacement worker (the token at the failure index);
+detection latency from ``kill()`` to the supervisor's ``detected`` event (same clock:
+the engine runs in this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from belayer_engine.client import EngineClient
+from belayer_engine.launch import RecoverableEngine
+from belayer_engine.router import RouterConfig
+
+PROMPT = "The belay device holds the rope when"
+
+
+async def _stream(base_url: str, max_tokens: int, kill_at: int, pid: int) -> dict:
+    arrivals: list[float] = []
+    t_kill = None
+    summary: dict = {}
+    async with EngineClient(base_url) as client:
+        async for chunk in client.stream_complete(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+            for choice in chunk["choices"]:
+                now = time.monotonic()
+                arrivals += [now] * len(choice.get("token_ids", []))
+                if t_kill is None and len(arrivals) >= kill_at:
+                    t_kill = time.monotonic()
+                    os.kill(pid, signal.SIGKILL)
+                if choice.get("finish_reason"):
+                    summary = chunk.get("belayer", {})
+    return {"arrivals": arrivals, "t_kill": t_kill, "summary": summary}
+
+
+def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
+    shadow = mode == "shadow"
+    router = RouterConfig(recovery="token")
+    runs, extra = [], {}
+    with RecoverableEngine.launch(workers=1, shadow=shadow, device=args.device, model=args.model_dir,
+                                  router=router, unhealthy_window_s=0.0, arena_args=args.arena_arg,
+                                  start_timeout_s=600) as eng:
+        eng.wait_ready(timeout=600)
+        asyncio.run(_stream(eng.base_url, 8, 10**9, 0))  # warm-up (nothing killed)
+        for _ in range(args.repeats):
+            eng.wait_ready(timeout=600, stable=True)
+            pid = eng.worker_pid(0)
+            kill_at = rng.randint(args.max_tokens // 4, args.max_tokens // 2)
+            r = asyncio.run(_stream(eng.base_url, args.max_tokens, kill_at, pid))
+            failure = r["summary"]["failures"][0]
+            first_new = r["arrivals"][failure["at_token"]]
+            detected = [e["t"] for e in eng.events() if e["event"] == "detected" and e["t"] >= r["t_kill"]]
+            handover = [e for e in eng.events() if e["event"] == "handover" and e["t"] >= r["t_kill"]]
+            routed = [e["t"] for e in eng.events() if e["event"] == "routed" and e["t"] >= r["t_kill"]]
+            fenced = [e["fence_s"] for e in eng.events() if e["event"] == "fenced" and e["t"] >= r["t_kill"]]
+            activated = [e["activate_s"] for e in eng.events() if e["event"] == "activated" and e["t"] >= r["t_kill"]]
+            runs.append({
+                "kill_at_client_token": kill_at,
+                "failure_at_token": failure["at_token"],
+                "kill_to_first_token_s": first_new - r["t_kill"],
+                "detection_s": (detected[0] - r["t_kill"]) if detected else None,
+                "handover_path": handover[0]["path"] if handover else None,
+                "supervisor_handover_s": handover[0]["total_s"] if handover else None,
+                "routed_to_first_token_s": (first_new - routed[0]) if routed else None,
+                "fence_s": fenced[0] if fenced else None,
+                "worker_activate_s": activated[0] if activated else None,
+            })
+            print(mode, json.dumps(runs[-1]), flush=True)
+        if shadow:
+            eng.wait_ready(timeout=600)
+            slot = eng.status()["slots"]["w0"]
+            starts = [e["start_s"] for e in eng.events() if e["event"] == "shadow_ready"]
+            extra = {"shadow_init_s": starts, "memory": _memory(slot["worker_pid"], slot["shadow_pid"])}
+    return runs, extra
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _gpu_mib() -> dict[int, float]:
+    """Per-process GPU memory from nvidia-smi (empty without a GPU)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
+    return {int(a): float(b) for a, b in rows}
+
+
+def _memory(worker_pid: int, shadow_pid: int) -> dict:
+    gpu = _gpu_mib()
+    return {"worker_rss_mib": _rss_mib(worker_pid), "shadow_rss_mib": _rss_mib(shadow_pid),
+            "worker_gpu_mib": gpu.get(worker_pid), "shadow_gpu_mib": gpu.get(shadow_pid)}
+
+
+def regenerated(args, rng: random.Random) -> dict:
+    """Tokens regenerated after a kill at a random point: token-level vs every-k."""
+    out = {}
+    for recovery in ("token", "chunk"):
+        router = RouterConfig(recovery=recovery, chunk_tokens=args.chunk_tokens)
+        vals = []
+        with RecoverableEngine.launch(workers=1, shadow=True, device=args.device, model=args.model_dir, router=router,
+                                      unhealthy_window_s=0.0, arena_args=args.arena_arg, start_timeout_s=600) as eng:
+            for _ in range(args.repeats):
+                eng.wait_ready(timeout=600, stable=True)
+                kill_at = rng.randint(args.chunk_tokens // 2, args.regen_tokens - 16)
+                r = asyncio.run(_stream(eng.base_url, args.regen_tokens, kill_at, eng.worker_pid(0)))
+                vals.append({"failure_at_token": r["summary"]["failures"][0]["at_token"],
+                             "regenerated": r["summary"]["regenerated_tokens"], "diverged": r["summary"].get("diverged")})
+                print(recovery, json.dumps(vals[-1]), flush=True)
+        out[recovery] = vals
+    return out
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = [x for x in xs if x is not None]
+    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = ["cold restart", "shadow handover"]
+    means = [result["summary"][k]["kill_to_first_token_s"]["mean"] for k in ("cold", "shadow")]
+    det = [result["summary"][k]["detection_s"]["mean"] for k in ("cold", "shadow")]
+    a.bar(labels, means, color=["#c44", "#4a4"], label="kill -> first continued token")
+    a.bar(labels, det, color="#333", width=0.3, label="detection")
+    a.set_yscale("log")
+    a.set_ylabel("seconds (log)")
+    a.set_title(f"SIGKILL mid-stream ({result['device']}): {result['summary']['speedup']:.1f}x")
+    a.legend()
+    regen = result["regenerated"]
+    b.bar(["token-level", f"every {result['chunk_tokens']}"],
+          [statistics.fmean(v["regenerated"] for v in regen[k]) for k in ("token", "chunk")], color=["#4a4", "#c84"])
+    b.set_ylabel("tokens regenerated per failure (mean)")
+    b.set_title("recovery granularity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--arena-arg", action="append", default=[], help="extra arena option (repeatable)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--regen-tokens", type=int, default=400)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--plot-only", default=None, help="re-draw the plot of an existing result JSON")
+    args = p.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return
+    rng = random.Random(7)
+    result = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
+              "runs": {}}
+    for mode in ("cold", "shadow"):
+        result["runs"][mode], extra = measure(mode, args, rng)
+        result.update({"shadow": extra} if extra else {})
+    result["regenerated"] = regenerated(args, rng)
+    summary = {m: {k: _stats([r[k] for r in result["runs"][m]]) for k in ("kill_to_first_token_s", "detection_s", "supervisor_handover_s", "routed_to_first_token_s")}
+               for m in ("cold", "shadow")}
+    summary["speedup"] = summary["cold"]["kill_to_first_token_s"]["mean"] / summary["shadow"]["kill_to_first_token_s"]["mean"]
+    summary["regenerated_mean"] = {k: statistics.fmean(v["regenerated"] for v in result["regenerated"][k]) for k in ("token", "chunk")}
+    result["summary"] = summary
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.device.replace(":", "")
+    (out / f"engine_handover_{tag}.json").write_text(json.dumps(result, indent=2))
+    try:
+        plot(result, out / f"engine_handover_{tag}.png")
+    except ImportError as exc:  # e.g. no matplotlib on the GPU machine: use --plot-only later
+        print(f"no plot: {exc}")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Chaos: real worker processes killed by real signals at random points mid-stream.
+
+Every request must complete token-identical to the fault-free greedy output (zero lost,
+zero duplicated tokens), the handover must go through the shadow, and the shadow must be
+re-armed after each failure. Waits are bounded and say what they waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from belayer_engine.client import EngineClient
+from belayer_engine.launch import RecoverableEngine
+from belayer_engine.router import RouterConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = ["Once upon a time", "The belay device", "def climb(route):", "Knots: bowline, clove"]
+MAX_TOKENS = 48
+
+
+async def stream_ids(client: EngineClient, prompt: str, on_token=None) -> tuple[list[int], dict, str]:
+    ids: list[int] = []
+    summary: dict = {}
+    finish = ""
+    async for chunk in client.stream_complete(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True):
+        for choice in chunk["choices"]:
+            ids += choice.get("token_ids", [])
+            if on_token:
+                on_token(len(ids))
+            if choice.get("finish_reason"):
+                summary, finish = chunk.get("belayer", {}), choice["finish_reason"]
+    return ids, summary, finish
+
+
+async def run_round(base_url: str, prompts: list[str], trigger_at: int | None = None, fire=None):
+    """Stream all prompts concurrently; call ``fire()`` once prompt 0 has ``trigger_at`` tokens."""
+    fired = []
+
+    def on_token(n: int) -> None:
+        if fire is not None and not fired and n >= trigger_at:
+            fired.append(n)
+            fire()
+
+    async with EngineClient(base_url) as client:
+        results = await asyncio.gather(*(stream_ids(client, p, on_token if i == 0 else None) for i, p in enumerate(prompts)))
+    if fire is not None:
+        assert fired, f"the fault was never injected (prompt 0 streamed fewer than {trigger_at} tokens)"
+    return results
+
+
+def fault_free(base_url: str) -> dict[str, list[int]]:
+    return {p: ids for p, (ids, _, _) in zip(PROMPTS, asyncio.run(run_round(base_url, PROMPTS)), strict=True)}
+
+
+def handovers(engine) -> int:
+    return engine.status()["slots"]["w0"]["handovers"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    router = RouterConfig(stall_timeout_s=1.5, stall_probe_timeout_s=1.0)
+    with RecoverableEngine.launch(workers=1, shadow=True, router=router, unhealthy_window_s=0.5) as eng:
+        eng.wait_ready(timeout=120)
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    base = fault_free(engine.base_url)
+    assert all(len(ids) == MAX_TOKENS for ids in base.values()), "ignore_eos should give full-length outputs"
+    assert fault_free(engine.base_url) == base, "greedy decoding must be deterministic without faults"
+    return base
+
+
+FAULTS = [signal.SIGKILL, signal.SIGSEGV, signal.SIGSTOP, signal.SIGINT]  # SIGINT: clean exit (code 0)
+
+
+def test_signals_mid_stream_token_identical(engine, baseline):
+    rng = random.Random(20261129)
+    schedule = FAULTS + rng.sample(FAULTS * 2, 2 * len(FAULTS))  # 12 faults, each kind 3 times
+    for round_no, sig in enumerate(schedule):
+        engine.wait_ready(timeout=120, stable=True)
+        status = engine.status()["slots"]["w0"]
+        pid, shadow_pid, before = status["worker_pid"], status["shadow_pid"], status["handovers"]
+        trigger = rng.randint(1, MAX_TOKENS - 8)
+        t0 = time.monotonic()
+        results = asyncio.run(run_round(engine.base_url, PROMPTS, trigger, lambda: os.kill(pid, sig)))  # noqa: B023
+        for prompt, (ids, summary, finish) in zip(PROMPTS, results, strict=True):
+            assert ids == baseline[prompt], f"round {round_no} ({sig.name} at token {trigger}): {prompt!r} differs: {summary}"
+            assert finish == "length"
+        if sig != signal.SIGINT:  # a clean exit may drain its streams before leaving
+            assert any(s["recoveries"] >= 1 for _, s, _ in results), f"round {round_no}: no request was recovered"
+        handover = engine.wait_event("handover", since=t0, timeout=60)  # a clean exit may drain first
+        engine.wait_ready(timeout=120)
+        after = engine.status()["slots"]["w0"]
+        detected = [e for e in engine.events() if e["event"] == "detected" and e["t"] >= t0]
+        # A clean exit is seen by whichever detector is first: its exit, refused connections, probes.
+        assert [e["pid"] for e in detected] == [pid], f"round {round_no} ({sig.name}): {detected}"
+        assert handover["path"] == "shadow" and after["handovers"] == before + 1, f"round {round_no}: {engine.events()[-6:]}"
+        assert after["worker_pid"] == shadow_pid, "the pre-armed shadow must take over"
+        assert after["shadow_pid"] not in (None, pid, shadow_pid), "a fresh shadow must be re-armed"
+    paths = [e["path"] for e in engine.events() if e["event"] == "handover"]
+    assert paths == ["shadow"] * len(schedule)
+
+
+def test_chunk_mode_regenerates_but_never_duplicates(engine, baseline):
+    """Coarse recovery (prefix preserved every k tokens): regenerated, never sent twice."""
+    with RecoverableEngine.launch(workers=1, shadow=True, router=RouterConfig(recovery="chunk", chunk_tokens=16)) as eng:
+        eng.wait_ready(timeout=120)
+        pid = eng.worker_pid(0)
+        trigger = 21
+        results = asyncio.run(run_round(eng.base_url, PROMPTS[:1], trigger, lambda: os.kill(pid, signal.SIGKILL)))
+    ids, summary, _ = results[0]
+    assert ids == baseline[PROMPTS[0]]
+    assert summary["recoveries"] == 1
+    assert summary["regenerated_tokens"] == summary["failures"][0]["at_token"] % 16
+
+
+def test_openai_sdk_stream_survives_sigkill(engine, baseline):
+    """The official SDK, unchanged, sees one uninterrupted stream across a handover."""
+    import openai
+
+    client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0)
+    engine.wait_ready(timeout=120, stable=True)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    want = client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    pid, t0 = engine.worker_pid(0), time.monotonic()
+    ids, text, killed = [], "", False
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids += (choice.model_extra or {}).get("token_ids", [])
+            text += choice.delta.content or ""
+        if len(ids) >= 10 and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+    assert killed
+    assert ids == want.choices[0].model_extra["token_ids"] and text == want.choices[0].message.content
+    assert engine.wait_event("handover", since=t0, timeout=60)["path"] == "shadow"

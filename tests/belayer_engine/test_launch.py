@@ -1,0 +1,38 @@
+"""``RecoverableEngine.launch``: one context manager, real processes, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+
+import openai
+import pytest
+
+from belayer_engine.launch import RecoverableEngine
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_launch_defaults_serve_openai_and_clean_up():
+    with RecoverableEngine.launch() as engine:
+        assert engine.base_url.startswith("http://127.0.0.1:") and engine.base_url.endswith("/v1")
+        engine.wait_ready(timeout=120)
+        slot = engine.status()["slots"]["w0"]
+        pids = [slot["worker_pid"], slot["shadow_pid"], slot["arena_pid"]]
+        assert all(pids) and all(_alive(p) for p in pids)
+        client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0)
+        out = client.chat.completions.create(model="belayer-default", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens >= 1
+    assert not any(_alive(p) for p in pids), "every child process must be gone after the context exits"
+
+
+def test_bad_model_fails_fast_with_a_clear_error(tmp_path):
+    with pytest.raises(Exception, match="arena"), RecoverableEngine.launch(model=str(tmp_path / "missing"), start_timeout_s=60):
+        pass
