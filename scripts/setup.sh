@@ -168,7 +168,8 @@ else
     info "installing torch==2.13.0 (CPU build)"
     run_logged "$LOG_DIR/pip-torch.log" "$PY" -m pip install -q --progress-bar off torch==2.13.0
   fi
-  stamp="$ROOT $(sha256sum "$ROOT/pyproject.toml" | cut -c1-16) $("$PY" -c 'import sys; print(sys.executable)')"
+  # the editable install maps the top-level packages found at install time: re-install when they change
+  stamp="$ROOT $(cat "$ROOT/pyproject.toml" "$ROOT"/*/__init__.py 2>/dev/null | sha256sum | cut -c1-16) $(cd "$ROOT" && ls -d */__init__.py | tr "\n" " ") $("$PY" -c 'import sys; print(sys.executable)')"
   if [ "$(cat "$LOG_DIR/pip-stamp" 2>/dev/null)" = "$stamp" ] && "$PY" -c "import belayer, belayer_env, belayer_engine" 2>/dev/null; then
     info "belayer installed from $ROOT (pyproject unchanged)"
   else
