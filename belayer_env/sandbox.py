@@ -71,6 +71,11 @@ def create_container(client: docker.DockerClient, config: SandboxConfig, name: s
 class DockerSandbox:
     """A running sandbox container. ``DockerSandbox()`` uses the base image built by set-up."""
 
+    restored_from: str | None = None
+    """Checkpoint id this container was restored from (set by ``full_restore``)."""
+    degraded: bool = False
+    """True only after an explicitly allowed file-system-only restore."""
+
     def __init__(self, config: SandboxConfig | None = None, *, name: str | None = None,
                  client: docker.DockerClient | None = None, **overrides: Any):
         try:

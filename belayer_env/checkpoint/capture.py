@@ -1,0 +1,182 @@
+"""``full_checkpoint``: file-system layer + CRIU runtime from one frozen instant.
+
+Order: pause (cgroup freezer) -> CRIU dump with leave-running into tmpfs, and alongside
+it a tar of the upperdir into tmpfs -> unpause. Only that part is frozen (``frozen_s``). After thaw the
+artifacts are copied into a staging directory of the store with sha256 on the way, made
+durable, described by a manifest, and published by one rename. Any failure or a kill at
+any point leaves nothing published (staging is removed, or reaped later by
+``CheckpointStore.clean_incomplete`` when the writer died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import docker
+
+from belayer.errors import BelayerError, CheckpointFailed, InfraError, UsageError
+from belayer_env.checkpoint import layer, runtime
+from belayer_env.checkpoint.manifest import Checkpoint, copy_hashed, write_manifest
+from belayer_env.checkpoint.store import CheckpointStore
+from belayer_env.docker_api import translate_errors
+
+PhaseHook = Callable[[str], None]
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def new_id(sandbox: str, step: int) -> str:
+    return f"{sandbox}.{step:06d}.{uuid.uuid4().hex[:8]}"
+
+
+def full_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime: bool = True,
+                    phase_hook: PhaseHook | None = None, _thawed: Any = None) -> Checkpoint:
+    """Checkpoint ``sandbox`` at action boundary ``step``; block until published.
+
+    Raises ``CheckpointFailed`` (nothing published, older checkpoints intact). The sandbox
+    runs again as soon as the frozen part ends, even on failure.
+    """
+    hook = phase_hook or (lambda _p: None)
+    if not isinstance(step, int) or step < 0:
+        raise UsageError(f"step must be an int >= 0, got {step!r}")
+    ck_id = new_id(sandbox.name, step)
+    t0 = time.monotonic()
+    phase = "start"
+    scratch = staging = None
+    try:
+        with store.lock(sandbox.name):
+            if runtime and (why := runtime_unavailable(sandbox)):
+                raise CheckpointFailed(f"runtime checkpoint unavailable: {why}; pass runtime=False for a file-system-only (degraded) checkpoint")
+            scratch = store.new_scratch(ck_id)
+            info = _inspect(sandbox)
+            upper = layer.upper_dir(info)
+            phase = "freeze"
+            frozen_s = _frozen_part(sandbox, info, upper, scratch, runtime, hook)
+            phase = "thawed"
+            if _thawed is not None:
+                _thawed.set()
+            hook("thawed")
+            phase = "write"
+            staging = store.new_staging(ck_id)
+            files = _write_artifacts(scratch, staging)
+            hook("written")
+            size = sum(f["size"] for f in files.values())
+            write_manifest(staging, {
+                "id": ck_id, "sandbox": sandbox.name, "step": step, "created": time.time(),
+                "frozen_s": frozen_s, "total_s": time.monotonic() - t0, "size_bytes": size,
+                "has_runtime": runtime, "config": sandbox.config.model_dump(mode="json"),
+                "image_id": info["Image"], "source_container": sandbox.container_id, "files": files,
+            })
+            phase = "publish"
+            ck = store.publish(staging, sandbox.name, ck_id)
+            staging = None
+            hook("published")
+    except BaseException as e:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, CheckpointFailed) or not isinstance(e, Exception):
+            raise
+        raise CheckpointFailed(f"checkpoint {ck_id} of sandbox {sandbox.name} failed ({phase}): {_why(e)}") from e
+    finally:
+        if _thawed is not None:
+            _thawed.set()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    with contextlib.suppress(OSError, BelayerError):  # retention is best effort: ck is published
+        store.prune(sandbox.name)
+    return ck
+
+
+def runtime_unavailable(sandbox: Any) -> str | None:
+    return runtime.available(sandbox.container_id)
+
+
+def _inspect(sandbox: Any) -> dict[str, Any]:
+    with translate_errors(f"inspect sandbox {sandbox.name}"):
+        info = sandbox.client.api.inspect_container(sandbox.container_id)
+    if not info["State"].get("Running"):
+        raise CheckpointFailed(f"sandbox {sandbox.name} is not running ({info['State'].get('Status')})")
+    # A command still running is outside the container's init tree: CRIU would silently
+    # leave it out while the layer keeps its partial effects. Boundaries only.
+    for exec_id in info.get("ExecIDs") or ():
+        try:
+            running = sandbox.client.api.exec_inspect(exec_id).get("Running")
+        except docker.errors.NotFound:
+            continue
+        if running:
+            raise CheckpointFailed(f"sandbox {sandbox.name} is running a command: checkpoints are taken "
+                                   "at action boundaries only")
+    return info
+
+
+def _frozen_part(sandbox: Any, info: dict[str, Any], upper: Path, scratch: Path, with_runtime: bool,
+                 hook: PhaseHook) -> float:
+    """Pause, dump + tar the layer side by side, unpause; return the seconds spent frozen."""
+    api, cid = sandbox.client.api, sandbox.container_id
+    with translate_errors(f"pause sandbox {sandbox.name}"):
+        if not info["State"].get("Paused"):  # paused already: a checkpointer died mid-freeze
+            api.pause(cid)
+    t = time.monotonic()
+    tar = None
+    try:
+        hook("frozen")
+        tar = layer.Capture(upper, scratch / "layer.tar")
+        if with_runtime:
+            runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network)
+            hook("runtime_dumped")
+        try:
+            tar.wait()
+        except layer.LayerChanged:
+            # CRIU's dump mkdtemp()s under the container's /tmp (copy-up, then rmdir): a
+            # tar racing it sees the tree move. The dump is over now: tar again, still frozen.
+            tar = layer.Capture(upper, scratch / "layer.tar")
+            tar.wait()
+        hook("layer_captured")
+    finally:
+        if tar is not None:
+            tar.abort()
+        with translate_errors(f"unpause sandbox {sandbox.name}"):
+            api.unpause(cid)
+    return time.monotonic() - t
+
+
+def _write_artifacts(scratch: Path, staging: Path) -> dict[str, dict[str, Any]]:
+    """Copy layer.tar and runtime/* into ``staging`` hashing on the way; make them durable."""
+    files: dict[str, dict[str, Any]] = {}
+    sources = [scratch / "layer.tar"]
+    if (scratch / "runtime").is_dir():
+        (staging / "runtime").mkdir(mode=0o700)
+        sources += sorted((scratch / "runtime").iterdir())
+    for src in sources:
+        rel = str(src.relative_to(scratch))
+        with open(src, "rb") as fi, open(staging / rel, "wb") as fo:
+            size, digest = copy_hashed(fi, fo)
+        files[rel] = {"size": size, "sha256": digest}
+    _sync_fs(staging)
+    return files
+
+
+def _sync_fs(path: Path) -> None:
+    """Flush the store's file system in one call (syncfs), instead of one fsync per image."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename or ''}".rstrip(": ")
+    if isinstance(e, InfraError):
+        return f"{type(e).__name__}: {e}"
+    return str(e) or type(e).__name__

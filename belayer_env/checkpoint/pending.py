@@ -1,0 +1,82 @@
+"""``start_checkpoint``: the same checkpoint on a background thread.
+
+The env takes checkpoints inside the LLM's generation bubble: it waits for ``.thawed``
+(the sandbox runs again) and lets hashing, writing and publishing overlap the model's
+thinking. ``cancel()`` abandons it: the sandbox is thawed if frozen and nothing is
+published (a checkpoint that made it to the store before the cancel is removed again).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from belayer.errors import CheckpointFailed
+from belayer_env.checkpoint.capture import PhaseHook, full_checkpoint
+from belayer_env.checkpoint.manifest import Checkpoint
+from belayer_env.checkpoint.store import CheckpointStore
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class PendingCheckpoint:
+    """Handle of a checkpoint running on a thread."""
+
+    def __init__(self, sandbox: Any, store: CheckpointStore, step: int, runtime: bool,
+                 phase_hook: PhaseHook | None):
+        self.thawed = threading.Event()
+        self._cancel = threading.Event()
+        self._store = store
+        self._user_hook = phase_hook
+        self._result: Checkpoint | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(sandbox, step, runtime),
+                                        daemon=True, name=f"belayer-checkpoint-{sandbox.name}")
+        self._thread.start()
+
+    def _hook(self, phase: str) -> None:
+        if self._cancel.is_set():
+            raise _Cancelled(f"cancelled before {phase}")
+        if self._user_hook is not None:
+            self._user_hook(phase)
+
+    def _run(self, sandbox: Any, step: int, runtime: bool) -> None:
+        try:
+            ck = full_checkpoint(sandbox, self._store, step, runtime=runtime,
+                                 phase_hook=self._hook, _thawed=self.thawed)
+            if self._cancel.is_set():
+                self._store.remove(ck.id)
+            else:
+                self._result = ck
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self._error = e
+        finally:
+            self.thawed.set()
+
+    def wait(self, timeout: float | None = None) -> Checkpoint | None:
+        """The published checkpoint; None if cancelled; re-raises ``CheckpointFailed``."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"checkpoint still running after {timeout} s")
+        if self._cancel.is_set():
+            return None
+        if self._error is not None:
+            if isinstance(self._error, CheckpointFailed):
+                raise self._error
+            raise CheckpointFailed(str(self._error)) from self._error
+        return self._result
+
+    def cancel(self) -> None:
+        """Abandon: publish nothing. Returns at once; ``wait()`` then returns None."""
+        self._cancel.set()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def start_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime: bool = True,
+                     phase_hook: PhaseHook | None = None) -> PendingCheckpoint:
+    """Start ``full_checkpoint`` on a background thread; see ``PendingCheckpoint``."""
+    return PendingCheckpoint(sandbox, store, step, runtime, phase_hook)

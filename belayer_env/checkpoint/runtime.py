@@ -1,0 +1,110 @@
+"""Runtime state (every process of the container) with CRIU, driven through runc.
+
+Dump: ``runc checkpoint --leave-running`` against Docker's own runc state directory, into
+tmpfs. Measured here for a 50 MiB python heap: 0.21 s, against 1.3 s for Docker's
+checkpoint API, which routes the same CRIU images through containerd's content store and
+back (two extra copies and a tar). The container is already paused by the caller; CRIU
+finds its cgroup frozen and leaves it frozen, so the file-system layer can be captured from
+the same instant.
+
+Restore has to go through Docker so that Docker, containerd and the shim own the restored
+container: copy the (verified) images into the new container's checkpoint directory and
+``POST /containers/{id}/start?checkpoint=NAME``. CRIU options for that restore come from
+``/etc/criu/runc.conf`` (``tcp-established``, ``file-locks``: scripts/setup.sh writes it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from belayer_env.checkpoint.manifest import check_file, copy_hashed
+
+RUNC_ROOT = os.environ.get("BELAYER_RUNC_ROOT", "/run/docker/runtime-runc/moby")
+RUNC = os.environ.get("BELAYER_RUNC", "runc")
+CRIU_OPTS = ["--leave-running", "--tcp-established", "--file-locks"]
+DUMP_TIMEOUT_S = 120.0
+
+
+class CriuError(Exception):
+    """CRIU/runc could not dump or restore (message carries the log's tail)."""
+
+
+def available(container_id: str | None = None) -> str | None:
+    """None when runtime checkpoints can work here, else the reason they cannot."""
+    if not shutil.which(RUNC):
+        return f"{RUNC} not found in PATH"
+    if not shutil.which("criu") and not os.path.exists("/usr/local/sbin/criu"):
+        return "criu not installed (bash scripts/setup.sh builds it)"
+    if container_id and not os.path.exists(os.path.join(RUNC_ROOT, container_id, "state.json")):
+        return f"no runc state for {container_id[:12]} under {RUNC_ROOT} (set BELAYER_RUNC_ROOT)"
+    return None
+
+
+def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True) -> None:
+    """CRIU-dump the (paused) container's process tree into ``images``; it keeps running.
+
+    ``isolated`` (no network): nothing outside can talk to the frozen sockets, so CRIU's
+    network lock (iptables/nft in the container's netns, ~60 ms around the dump) is
+    skipped via an extra CRIU config file; runc's /etc/criu/runc.conf still applies.
+    """
+    images.mkdir(mode=0o700)
+    work.mkdir(mode=0o700)
+    env = dict(os.environ)
+    if isolated:
+        conf = work / "criu.conf"
+        conf.write_text("network-lock skip\n")
+        env["CRIU_CONFIG_FILE"] = str(conf)
+    argv = [RUNC, "--root", RUNC_ROOT, "checkpoint", *CRIU_OPTS,
+            "--image-path", str(images), "--work-path", str(work), container_id]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=DUMP_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise CriuError(f"runc checkpoint timed out after {DUMP_TIMEOUT_S:g} s") from e
+    if r.returncode != 0:
+        raise CriuError(f"runc checkpoint failed ({r.returncode}): {r.stderr.strip()[-300:]}"
+                            f"{_log_tail(work / 'dump.log')}")
+
+
+def _log_tail(log: Path, lines: int = 8) -> str:
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errs = [ln for ln in text if "Error" in ln or "err" in ln.lower()][-lines:]
+    return "; criu: " + " | ".join(errs or text[-lines:]) if text else ""
+
+
+def install(src: Path, files: dict[str, dict[str, Any]], dest: Path) -> None:
+    """Put the runtime images into ``dest`` (hardlink, else copy), verifying each one."""
+    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for rel, meta in files.items():
+        if not rel.startswith("runtime/"):
+            continue
+        target = dest / rel.removeprefix("runtime/")
+        try:  # same file system: a hardlink (Docker and CRIU only read the images)
+            os.link(src / rel, target)
+            with open(target, "rb") as fi:
+                size, digest = copy_hashed(fi, _Discard())
+        except OSError:
+            with open(src / rel, "rb") as fi, open(target, "wb") as fo:
+                size, digest = copy_hashed(fi, fo)
+        try:
+            check_file(rel, meta, size, digest)
+        except ValueError as e:
+            raise CriuError(str(e)) from e
+
+
+class _Discard:
+    def write(self, _b: bytes) -> None:
+        pass
+
+
+def start_from(client: Any, container_id: str, name: str) -> None:
+    """Start a created container from its checkpoint ``name`` (CRIU restore via runc)."""
+    api = client.api
+    res = api.post(api._url("/containers/{0}/start", container_id), params={"checkpoint": name})
+    api._raise_for_status(res)

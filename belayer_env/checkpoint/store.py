@@ -1,0 +1,180 @@
+"""``CheckpointStore``: a 0700 directory of published checkpoints, by sandbox.
+
+Layout: ``<root>/<sandbox>/<id>/`` (manifest.json + artifacts), ``<root>/.staging/`` for
+checkpoints being written, ``<root>/.trash/`` for ones being removed, ``<root>/.locks/``.
+A checkpoint appears under ``<sandbox>/`` only by one ``rename`` of a fully written and
+fsynced staging directory, so a crash at any point leaves either nothing or the whole
+thing. Staging entries carry their writer's (pid, start time); ``clean_incomplete`` removes
+those whose writer is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from belayer.errors import CheckpointFailed, CheckpointNotFound, UsageError
+from belayer_env.checkpoint.manifest import Checkpoint, checkpoint_from_manifest, read_manifest
+from belayer_env.ownership import process_start_ticks
+
+STAGING, TRASH, LOCKS = ".staging", ".trash", ".locks"
+DEFAULT_SCRATCH = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+def default_store_path() -> Path:
+    """``$BELAYER_CHECKPOINTS``, else ``$BELAYER_HOME/checkpoints``, else ~/.belayer/checkpoints."""
+    if os.environ.get("BELAYER_CHECKPOINTS"):
+        return Path(os.environ["BELAYER_CHECKPOINTS"])
+    home = os.environ.get("BELAYER_HOME") or os.path.join(os.path.expanduser("~"), ".belayer")
+    return Path(home) / "checkpoints"
+
+
+def owner_tag() -> str:
+    """``<pid>-<start ticks>`` of this process: names temporary dirs so orphans are known."""
+    pid = os.getpid()
+    return f"{pid}-{process_start_ticks(pid) or 0}"
+
+
+def owner_alive(name: str) -> bool:
+    """Whether the process named by the ``~<pid>-<ticks>`` suffix of ``name`` still runs."""
+    pid, _, ticks = name.rpartition("~")[2].partition("-")
+    try:
+        return process_start_ticks(int(pid)) == ticks
+    except ValueError:
+        return False
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointStore:
+    """Published checkpoints under ``path``; ``keep`` newest per sandbox (None: keep all).
+
+    ``scratch`` is where the frozen part writes (tmpfs by default, so the freeze never
+    waits on a disk); the artifacts are copied, hashed and fsynced into ``path`` after thaw.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, keep: int | None = 3,
+                 scratch: str | os.PathLike[str] | None = None):
+        if keep is not None and keep < 1:
+            raise UsageError(f"keep must be >= 1 or None, got {keep}")
+        self.path = Path(path) if path is not None else default_store_path()
+        self.keep = keep
+        for sub in ("", STAGING, TRASH, LOCKS):
+            (self.path / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        base = Path(scratch) if scratch is not None else DEFAULT_SCRATCH
+        self.scratch_root = base / "belayer-scratch" if base is not None else self.path / ".scratch"
+        self.scratch_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ writing
+
+    def new_staging(self, checkpoint_id: str) -> Path:
+        d = self.path / STAGING / f"{checkpoint_id}~{owner_tag()}"
+        d.mkdir(mode=0o700)
+        return d
+
+    def new_scratch(self, checkpoint_id: str) -> Path:
+        d = self.scratch_root / f"{checkpoint_id}~{owner_tag()}"
+        d.mkdir(mode=0o700)
+        return d
+
+    def publish(self, staging: Path, sandbox: str, checkpoint_id: str) -> Checkpoint:
+        """Atomically move a fully written, fsynced staging dir into place."""
+        parent = self.path / sandbox
+        parent.mkdir(mode=0o700, exist_ok=True)
+        final = parent / checkpoint_id
+        fsync_dir(staging)
+        os.rename(staging, final)
+        fsync_dir(parent)
+        fsync_dir(self.path / STAGING)
+        return checkpoint_from_manifest(final, read_manifest(final))
+
+    @contextlib.contextmanager
+    def lock(self, sandbox: str) -> Iterator[None]:
+        """One checkpoint of a sandbox at a time (across processes; released on death)."""
+        with open(self.path / LOCKS / f"{sandbox}.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                raise CheckpointFailed(f"another checkpoint of sandbox {sandbox} is in progress") from e
+            yield
+
+    # ------------------------------------------------------------------ reading
+
+    def list(self, sandbox: str | None = None) -> list[Checkpoint]:
+        """Published checkpoints, oldest first (by sandbox, step, creation time)."""
+        out = []
+        dirs = [self.path / sandbox] if sandbox else [d for d in self.path.iterdir() if not d.name.startswith(".")]
+        for sdir in dirs:
+            if not sdir.is_dir():
+                continue
+            for cdir in sdir.iterdir():
+                try:
+                    out.append(checkpoint_from_manifest(cdir, read_manifest(cdir)))
+                except (ValueError, KeyError, TypeError):
+                    continue  # not a checkpoint (never published that way); ignore
+        return sorted(out, key=lambda c: (c.sandbox, c.step, c.created))
+
+    def latest(self, sandbox: str) -> Checkpoint | None:
+        found = self.list(sandbox)
+        return found[-1] if found else None
+
+    def get(self, checkpoint_id: str) -> Checkpoint:
+        sandbox = checkpoint_id.rsplit(".", 2)[0]
+        cdir = self.path / sandbox / checkpoint_id
+        if "/" in checkpoint_id or checkpoint_id.startswith(".") or not cdir.is_dir():
+            raise CheckpointNotFound(f"no checkpoint {checkpoint_id!r} in {self.path}")
+        try:
+            return checkpoint_from_manifest(cdir, read_manifest(cdir))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointNotFound(f"checkpoint {checkpoint_id!r} has no valid manifest: {e}") from e
+
+    def total_bytes(self, sandbox: str | None = None) -> int:
+        return sum(c.size_bytes for c in self.list(sandbox))
+
+    # ------------------------------------------------------------------ removing
+
+    def remove(self, checkpoint_id: str) -> None:
+        """Remove one checkpoint: renamed out of sight first, so it is never half there."""
+        c = self.get(checkpoint_id)
+        trash = self.path / TRASH / f"{c.id}~{uuid.uuid4().hex[:8]}"
+        os.rename(c.path, trash)
+        fsync_dir(c.path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def prune(self, sandbox: str, keep: int | None = None) -> list[str]:
+        """Keep the newest ``keep`` (default: the store's) checkpoints of ``sandbox``."""
+        keep = self.keep if keep is None else keep
+        if keep is None or keep < 0:
+            return []
+        old = self.list(sandbox)[:-keep] if keep > 0 else self.list(sandbox)  # keep=0: all go
+        for c in old:
+            self.remove(c.id)
+        return [c.id for c in old]
+
+    def clean_incomplete(self) -> list[str]:
+        """Remove staging/scratch left by dead writers and any trash; return what went."""
+        removed = []
+        for base in (self.path / STAGING, self.scratch_root):
+            for d in base.iterdir():
+                if not owner_alive(d.name):
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed.append(str(d))
+        for d in (self.path / TRASH).iterdir():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+        return removed
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({str(self.path)!r}, keep={self.keep})"

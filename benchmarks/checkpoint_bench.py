@@ -1,0 +1,203 @@
+"""Full checkpoint / restore benchmark: Belayer vs Docker's own way vs a cold container.
+
+Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python process holding a
+50 MiB heap (random bytes, so every page is real) plus a git repo of ~2,000 files with
+~20 MiB of changes in the writable layer. Methods, interleaved in every round:
+
+- ``belayer``: ``full_checkpoint`` (pause -> runc/CRIU dump to tmpfs -> tar upperdir ->
+  unpause -> hash + write + publish) and ``full_restore`` (fresh container, layer, CRIU).
+- ``docker``: the naive way: pause -> ``POST /containers/{id}/checkpoints`` (leave running)
+  -> ``docker commit --pause=false`` -> unpause; restore = create from the commit, copy the
+  checkpoint in, ``start?checkpoint=``.
+- ``cold``: create + start a fresh container (what a restore competes with: no state).
+
+Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root).
+Writes ``benchmarks/results/checkpoint_bench.json`` (+ ``.png`` with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore  # noqa: E402
+from belayer_env.config import SandboxConfig  # noqa: E402
+from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
+
+HEAVY_SETUP = r"""
+set -e
+mkdir -p /repo && cd /repo && git init -q . && git config user.email b@b && git config user.name b
+python3 - <<'PY'
+import os, base64
+for i in range(2000):
+    d = f"pkg{i % 40}"
+    os.makedirs(d, exist_ok=True)
+    with open(f"{d}/mod{i}.py", "w") as f:   # ~10 KiB of text per file: ~20 MiB in all
+        f.write(base64.b64encode(os.urandom(7600)).decode())
+PY
+git add -A && git commit -qm init
+setsid python3 -c 'import os, time; heap = bytearray(os.urandom(50 << 20)); open("/tmp/ready", "w").close(); time.sleep(1e9)' >/dev/null 2>&1 </dev/null &
+for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
+"""
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def docker_checkpoint(client, sb: DockerSandbox, name: str) -> dict:
+    api, cid = client.api, sb.container_id
+    t0 = time.monotonic()
+    api.pause(cid)
+    res = api.post(api._url("/containers/{0}/checkpoints", cid), data=json.dumps({"CheckpointID": name, "Exit": False}),
+                   headers={"Content-Type": "application/json"})
+    api._raise_for_status(res)
+    image = api.commit(cid, repository="belayer-bench", tag=name, pause=False)["Id"]
+    api.unpause(cid)
+    frozen = time.monotonic() - t0
+    ckdir = Path(client.info()["DockerRootDir"]) / "containers" / cid / "checkpoints" / name
+    layer = client.api.inspect_image(image)["Size"] - client.api.inspect_image(sb.config.image)["Size"]
+    return {"frozen_s": frozen, "total_s": frozen, "size_bytes": dir_size(ckdir) + max(layer, 0),
+            "image": image, "ckdir": ckdir}
+
+
+def docker_restore(client, sb: DockerSandbox, ck: dict, name: str) -> float:
+    t0 = time.monotonic()
+    config = sb.config.model_copy(update={"image": ck["image"]})
+    c = create_container(client, config, f"{sb.name}-dk")
+    dest = Path(client.info()["DockerRootDir"]) / "containers" / c.id / "checkpoints" / name
+    shutil.copytree(ck["ckdir"], dest)
+    api = client.api
+    api._raise_for_status(api.post(api._url("/containers/{0}/start", c.id), params={"checkpoint": name}))
+    elapsed = time.monotonic() - t0
+    api.remove_container(c.id, force=True)
+    return elapsed
+
+
+def cold_start(client, config: SandboxConfig) -> float:
+    t0 = time.monotonic()
+    sb = DockerSandbox(config, client=client)
+    elapsed = time.monotonic() - t0
+    sb.close()
+    return elapsed
+
+
+def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> dict:
+    sb = DockerSandbox(client=client, timeout=120)
+    if scenario == "heavy":
+        r = sb.execute(HEAVY_SETUP)
+        assert r["returncode"] == 0, r["output"][-2000:]
+    out = {m: {k: [] for k in ("frozen_s", "total_s", "restore_s", "size_bytes")} for m in ("belayer", "docker")}
+    out["cold"] = {"restore_s": []}
+    images: list[str] = []
+    try:
+        for i in range(runs):
+            ck = full_checkpoint(sb, store, i)
+            for k in ("frozen_s", "total_s", "size_bytes"):
+                out["belayer"][k].append(getattr(ck, k))
+            dk = docker_checkpoint(client, sb, f"b{i}")
+            for k in ("frozen_s", "total_s", "size_bytes"):
+                out["docker"][k].append(dk[k])
+            out["docker"]["restore_s"].append(docker_restore(client, sb, dk, f"b{i}"))
+            images.append(dk["image"])
+            t0 = time.monotonic()
+            sb = full_restore(ck, client=client)
+            out["belayer"]["restore_s"].append(time.monotonic() - t0)
+            out["cold"]["restore_s"].append(cold_start(client, sb.config))
+            print(f"  {scenario} run {i + 1}/{runs}: belayer frozen {ck.frozen_s * 1e3:.0f} ms, total "
+                  f"{ck.total_s * 1e3:.0f} ms, restore {out['belayer']['restore_s'][-1] * 1e3:.0f} ms | docker "
+                  f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
+                  flush=True)
+    finally:
+        fence(client, sb.name)
+        fence(client, f"{sb.name}-dk")
+        for image in images:  # removal is slow under load: after the timed part
+            try:
+                client.api.remove_image(image, force=True)
+            except Exception as e:  # noqa: BLE001 - best effort cleanup
+                print(f"  (could not remove {image[:19]}: {e})")
+    return out
+
+
+def summarize(samples: list[float]) -> dict:
+    s = sorted(samples)
+    pct = lambda q: s[min(len(s) - 1, round(q * (len(s) - 1)))]  # noqa: E731
+    return {"p50": statistics.median(s), "p95": pct(0.95), "min": s[0], "max": s[-1], "n": len(s)}
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    metrics = ["frozen_s", "total_s", "restore_s"]
+    fig, axes = plt.subplots(1, len(result["scenarios"]), figsize=(11, 4), squeeze=False)
+    axes = axes[0]
+    for ax, (scen, data) in zip(axes, result["scenarios"].items(), strict=False):
+        x = range(len(metrics))
+        for j, method in enumerate(("belayer", "docker", "cold")):
+            vals = [data[method].get(m, {}).get("p50", 0) * 1e3 for m in metrics]
+            ax.bar([k + j * 0.27 for k in x], vals, width=0.27, label=method)
+        ax.set_xticks([k + 0.27 for k in x], metrics)
+        ax.set_title(f"{scen} (p50, ms)")
+        ax.set_ylabel("ms")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--scenarios", default="idle,heavy")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint_bench.json"))
+    args = ap.parse_args()
+    client = connect()
+    store_dir = Path(tempfile.mkdtemp(prefix="belayer-bench-", dir="/var/tmp"))
+    store = CheckpointStore(store_dir, keep=2)
+    result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(),
+                       "loadavg_start": os.getloadavg(), "docker": client.version()["Version"],
+                       "criu": subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout.split()[1],
+                       "store": str(store_dir)},
+              "runs": args.runs, "scenarios": {}}
+    try:
+        for scen in args.scenarios.split(","):
+            raw = run_scenario(client, scen, args.runs, store)
+            result["scenarios"][scen] = {m: {k: summarize(v) for k, v in d.items() if v} for m, d in raw.items()}
+            result["scenarios"][scen]["raw"] = raw
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    result["host"]["loadavg_end"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    for scen, data in result["scenarios"].items():
+        print(f"\n{scen}:")
+        for m in ("belayer", "docker", "cold"):
+            cells = "  ".join(f"{k} p50 {v['p50'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
+                              f"{'ms' if k != 'size_bytes' else 'MB'} p95 {v['p95'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
+                              for k, v in data[m].items())
+            print(f"  {m:8} {cells}")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
