@@ -14,6 +14,7 @@ import shlex
 from typing import Any
 
 from belayer.errors import SandboxLost
+from belayer_env.sandbox import OUTPUT_DIR
 
 DEFAULT_EXCLUDE = ("/proc", "/sys", "/dev", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf")
 
@@ -58,8 +59,13 @@ print(h.hexdigest())
 
 def tree_hash(sandbox: Any, root: str = "/", exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
               timeout: float = 120.0) -> str:
-    """sha256 (hex) over the tree under ``root`` in ``sandbox``, skipping ``exclude`` paths."""
-    cmd = f"python3 -c {shlex.quote(_SCRIPT)} {shlex.quote(root)} {shlex.quote(json.dumps(list(exclude)))}"
+    """sha256 (hex) over the tree under ``root`` in ``sandbox``, skipping ``exclude`` paths.
+
+    The sandbox's own plumbing (``OUTPUT_DIR``, where command output is staged) is always
+    skipped: it is not the agent's state, and hashing changes it.
+    """
+    skip = [*exclude, OUTPUT_DIR]
+    cmd = f"python3 -c {shlex.quote(_SCRIPT)} {shlex.quote(root)} {shlex.quote(json.dumps(skip))}"
     result = sandbox.execute(cmd, timeout=timeout)
     out = result["output"].strip()
     if result["returncode"] != 0 or len(out) != 64:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 import uuid
@@ -32,6 +31,35 @@ from belayer_env.ownership import owner_labels
 # are reparented to it) and exits on SIGTERM. Small, so CRIU dumps it in milliseconds.
 INIT_COMMAND = ["/bin/bash", "-c", "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"]
 KILL_GRACE_S = 2  # SIGTERM, then SIGKILL this much later, for a timed-out command
+OUTPUT_DIR = "/run/belayer"  # sandbox-private tmpfs: CRIU dumps and restores it with the container
+OUTPUT_TMPFS = {OUTPUT_DIR: "size=64m,mode=0700"}
+
+# Runs every command. Its output goes to a per-command file on the sandbox's private tmpfs,
+# never to the exec pipe: a process the command leaves in the background (a server, say)
+# then keeps a file, not a pipe to containerd-shim, so it neither holds the exec open nor
+# dies of EPIPE once we stop reading, and CRIU can checkpoint and restore it. The wrapper
+# then prints the capped output to the pipe and "belayer-meta RC SIZE" to stderr.
+# Files still held by background processes are truncated (not removed) at the next command.
+EXEC_WRAPPER = r"""
+T=$1 MAX=$2 ID=$3 CMD=$4 K=$5
+d=/run/belayer; [ -d "$d" ] && [ -w "$d" ] || { d=/tmp/.belayer; mkdir -p -m 700 "$d"; }
+for o in "$d"/out.*; do
+  [ -f "$o" ] || continue
+  held=; for fd in /proc/[0-9]*/fd/[0-9]*; do [ "$fd" -ef "$o" ] 2>/dev/null && { held=1; break; }; done
+  if [ -n "$held" ]; then : >"$o"; else rm -f "$o"; fi
+done
+f=$d/out.$ID; start=$SECONDS
+timeout -k "$K" "$T" bash -lc "$CMD" >>"$f" 2>&1 </dev/null &
+pid=$!; wait "$pid"; rc=$?
+if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && [ $((SECONDS - start)) -ge "${T%.*}" ]; then
+  while kill -KILL -- "-$pid" 2>/dev/null; do :; done
+fi
+s=$(stat -c %s "$f" 2>/dev/null || echo 0)
+echo "belayer-meta $rc $s" >&2
+if [ "$s" -le "$MAX" ]; then head -c "$s" "$f"; else head -c $((MAX / 2)) "$f"; tail -c $((MAX - MAX / 2)) "$f"; fi
+: >"$f"
+exit "$rc"
+"""
 TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight
 TRANSPORT_GRACE_S = 15.0  # past timeout + grace with no end of stream: the transport is broken
 POLL_S = 0.2
@@ -62,6 +90,7 @@ def create_container(client: docker.DockerClient, config: SandboxConfig, name: s
             nano_cpus=int(config.cpus * 1e9),
             privileged=False,
             security_opt=["no-new-privileges"],
+            tmpfs=OUTPUT_TMPFS,
             tty=False,
             stdin_open=False,
             detach=True,
@@ -127,10 +156,9 @@ class DockerSandbox:
         if cwd and not cwd.startswith("/"):
             raise InvalidAction(f"cwd must be an absolute path, got {cwd!r}")
         self._require_open()
-        # merge stderr into stdout inside the container (one pipe keeps the order), then let
-        # coreutils' timeout own the command's process group so a timeout kills all of it
-        argv = ["bash", "-c", f'exec 2>&1; exec timeout -k {KILL_GRACE_S} "$0" bash -lc "$1"',
-                f"{limit:g}", action]
+        # coreutils' timeout owns the command's process group, so a timeout kills all of it
+        argv = ["bash", "-c", EXEC_WRAPPER, "belayer-exec", f"{limit:g}",
+                str(self.config.max_output_bytes), uuid.uuid4().hex[:16], action, str(KILL_GRACE_S)]
         what = f"exec in sandbox {self.name}"
         api = self.client.api
         collector = OutputCollector(self.config.max_output_bytes)
@@ -143,12 +171,11 @@ class DockerSandbox:
             reader = _StreamReader(sock, collector)
             exit_code = self._wait(api, exec_id, reader, start + limit + KILL_GRACE_S + TRANSPORT_GRACE_S)
         elapsed = time.monotonic() - start
-        timed_out = exit_code is None or (exit_code in (124, 137) and elapsed >= limit)
-        if timed_out:
-            _kill_process_group(reader.exec_pid)
+        timed_out = exit_code in (124, 137) and elapsed >= limit
         self._check_alive(what)
         if exit_code is None:
             raise SandboxLost(f"{what}: the exec transport broke (no exit code after {elapsed:.1f} s)")
+        reader.apply_meta()
         output = collector.text()
         if timed_out:
             output += f"\n[belayer: command timed out after {limit:g} s and was killed]"
@@ -172,7 +199,6 @@ class DockerSandbox:
             if now > deadline:
                 break
             info = api.exec_inspect(exec_id)
-            reader.exec_pid = reader.exec_pid or info.get("Pid", 0)
             if not info.get("Running"):
                 # the command exited but something it left in the background holds the stream
                 exited_at = exited_at or now
@@ -184,7 +210,6 @@ class DockerSandbox:
         settle = time.monotonic() + 2.0  # the exit code can lag the end of the stream a little
         while True:
             info = api.exec_inspect(exec_id)
-            reader.exec_pid = reader.exec_pid or info.get("Pid", 0)
             if not info.get("Running"):
                 return info.get("ExitCode")
             if time.monotonic() > settle:
@@ -275,22 +300,6 @@ class DockerSandbox:
         return self.config.model_dump()
 
 
-def _kill_process_group(pgid: int, within_s: float = 5.0) -> None:
-    """SIGKILL a timed-out command's process group until it is empty (a fork bomb refills
-    it between signals). Needs a local daemon: with a remote one there is no host pid."""
-    if pgid <= 1 or not os.path.isdir("/proc/1"):
-        return
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            return
-        time.sleep(0.01)
-
-
 def _process_alive(pid: int) -> bool:
     """True unless ``pid`` (a host pid) is gone or a zombie; unknowable (remote daemon) = True."""
     if not pid:
@@ -315,18 +324,28 @@ class _StreamReader:
         self.collector = collector
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.exec_pid = 0  # host pid of the command's group leader (coreutils timeout)
+        self._stderr = b""
         self._thread = threading.Thread(target=self._run, daemon=True, name="belayer-exec-reader")
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            for _stream, data in frames_iter(self._sock, tty=False):
-                self.collector.feed(data)
+            for stream, data in frames_iter(self._sock, tty=False):
+                if stream == 2:
+                    self._stderr += data
+                else:
+                    self.collector.feed(data)
         except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
             self.error = e
         finally:
             self.done.set()
+
+    def apply_meta(self) -> None:
+        """Tell the collector the full output size the wrapper saw (it sends only head + tail)."""
+        for line in self._stderr.decode("utf-8", "replace").splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "belayer-meta" and parts[2].isdigit():
+                self.collector.total = max(self.collector.total, int(parts[2]))
 
     def close(self) -> None:
         raw = getattr(self._sock, "_sock", self._sock)

@@ -83,7 +83,7 @@ def start_counter(sb, log="/tmp/count.log", heap_mib=1) -> None:
 
 
 def start_server(sb, port=8000, redirect=True) -> None:
-    tail = " >/dev/null 2>&1 </dev/null" if redirect else ""  # without: keeps the exec's pipe
+    tail = " >/dev/null 2>&1 </dev/null" if redirect else ""  # without: logs into the command's output file
     sb.execute(f"python3 /opt/t/server.py {port}{tail} &")
     wait_until(lambda: sb.execute(GET.format(port=port))["returncode"] == 0, 30, f"server on :{port}")
 

@@ -131,3 +131,17 @@ def test_bad_input_raises_usage_errors(sandbox):
         DockerSandbox(image="belayer-no-such-image:0")
     with pytest.raises(ValueError):
         SandboxConfig(memory="1g", pids_limit=0)
+
+
+def test_background_server_without_redirect_keeps_serving(sandbox):
+    """A server started with a bare `&` writes its log to the command's output file, not to a
+    pipe we stop reading: it must not die of EPIPE at its first log line."""
+    r = sandbox.execute("cd /tmp && python3 -m http.server 8000 --bind 127.0.0.1 & echo started")
+    assert r == {"output": "started\n", "returncode": 0}
+    fetch = ("python3 -c \"import urllib.request,time\n"
+             "for i in range(50):\n"
+             "    try: print(urllib.request.urlopen('http://127.0.0.1:8000/').status); break\n"
+             "    except OSError: time.sleep(0.1)\"")
+    for _ in range(3):  # each request makes the server write a log line
+        assert sandbox.execute(fetch)["output"] == "200\n"
+    assert "http.server" in sandbox.execute("ps -eo args")["output"]
