@@ -50,7 +50,8 @@ def check_docker() -> list[Check]:
                 Check("docker experimental", False, "engine not reachable", fix),
                 Check("base image", False, "engine not reachable", fix)]
     checks = [Check("docker engine", True, f"{docker_url()} server {info.get('ServerVersion')}, "
-                    f"storage {info.get('Driver')}, cgroup v{info.get('CgroupVersion', '?')}")]
+                    f"storage {info.get('Driver')}, cgroup v{info.get('CgroupVersion', '?')}",
+                    f"run `{SETUP}` (installs docker.io and starts dockerd)")]
     exp = bool(info.get("ExperimentalBuild"))
     checks.append(Check("docker experimental", exp, "on" if exp else "off (checkpoints need it)",
                         'set {"experimental": true} in /etc/docker/daemon.json and restart dockerd '
@@ -60,7 +61,8 @@ def check_docker() -> list[Check]:
                         "configure dockerd with the overlay2 storage driver (layer capture reads its upperdir)"))
     try:
         img = client.images.get(DEFAULT_IMAGE)
-        checks.append(Check("base image", True, f"{DEFAULT_IMAGE} ({img.attrs.get('Size', 0) / 1e6:.0f} MB)"))
+        checks.append(Check("base image", True, f"{DEFAULT_IMAGE} ({img.attrs.get('Size', 0) / 1e6:.0f} MB)",
+                            f"run `{SETUP}` (builds it with debootstrap)"))
     except Exception:
         checks.append(Check("base image", False, f"{DEFAULT_IMAGE} not found", f"run `{SETUP}` (builds it with debootstrap)"))
     root = info.get("DockerRootDir") or "/var/lib/docker"
