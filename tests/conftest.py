@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,15 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:g} s waiting for: {what}")
         time.sleep(interval)
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists (a zombie counts: it has not been reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import openai
 import pytest
 
 from belayer_engine.launch import RecoverableEngine
+from tests.conftest import process_alive
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_launch_defaults_serve_openai_and_clean_up():
@@ -26,11 +17,11 @@ def test_launch_defaults_serve_openai_and_clean_up():
         engine.wait_ready(timeout=120)
         slot = engine.status()["slots"]["w0"]
         pids = [slot["worker_pid"], slot["shadow_pid"], slot["arena_pid"]]
-        assert all(pids) and all(_alive(p) for p in pids)
+        assert all(pids) and all(process_alive(p) for p in pids)
         client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0)
         out = client.chat.completions.create(model="belayer-default", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
         assert out.usage.completion_tokens >= 1
-    assert not any(_alive(p) for p in pids), "every child process must be gone after the context exits"
+    assert not any(process_alive(p) for p in pids), "every child process must be gone after the context exits"
 
 
 def test_bad_model_fails_fast_with_a_clear_error(tmp_path):

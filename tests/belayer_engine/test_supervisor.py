@@ -11,18 +11,11 @@ import pytest
 
 from belayer_engine.launch import RecoverableEngine
 from belayer_engine.router import RouterConfig
+from tests.conftest import process_alive
 
 from .test_chaos import PROMPTS, fault_free, run_round
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_repeated_failure_excludes_device_and_requests_move():
@@ -44,7 +37,7 @@ def test_repeated_failure_excludes_device_and_requests_move():
         assert eng.worker_pid(0) is None
         # Everything still works on the healthy device.
         assert fault_free(eng.base_url) == base
-        assert all(not _alive(p) for p in (first, second))
+        assert all(not process_alive(p) for p in (first, second))
 
 
 def test_arena_death_cold_restarts_and_requests_wait():
@@ -59,7 +52,7 @@ def test_arena_death_cold_restarts_and_requests_wait():
         slot = eng.status()["slots"]["w0"]
         assert slot["arena_pid"] != arena and slot["worker_pid"] != worker
         assert any(e["event"] == "cold_restart" for e in eng.events())
-        assert not _alive(worker)
+        assert not process_alive(worker)
 
 
 def test_last_device_excluded_gives_a_clear_error_not_a_hang():
@@ -87,5 +80,5 @@ def test_idle_stalled_worker_is_found_by_health_probes():
         detected = eng.wait_event("detected", since=t0, timeout=30)
         assert detected["source"] == "health" and detected["pid"] == pid
         assert eng.wait_event("handover", since=t0, timeout=30)["path"] == "shadow"
-        assert not _alive(pid), "the stopped worker must be fenced (SIGKILL works on stopped processes)"
+        assert not process_alive(pid), "the stopped worker must be fenced (SIGKILL works on stopped processes)"
         assert fault_free(eng.base_url) == base
