@@ -57,7 +57,18 @@ class Qwen3Model:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
                 kv: torch.Tensor) -> torch.Tensor:
         """Run rows ``ids`` (n,) at ``positions`` (n,); write their K/V into ``kv``; return
-        logits (len(seqs), vocab) for each sequence's last row."""
+        logits (len(seqs), vocab) for each sequence's last row.
+
+        ``exact``: attention row by row per sequence (batch-invariant bits). Otherwise the
+        whole ragged batch attends in at most two calls per layer (``ops.RaggedAttention``).
+        """
+        if self.exact or self.device.type != "cuda":
+            return self._forward(ids, positions, seqs, kv)
+        with ops.no_cudnn_attention():  # no per-shape plan builds on the eager path
+            return self._forward(ids, positions, seqs, kv)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
+                 kv: torch.Tensor) -> torch.Tensor:
         cfg, w, exact = self.cfg, self.w, self.exact
         n, bs = ids.shape[0], kv.shape[3]
         blk = torch.empty(n, dtype=torch.long)
@@ -69,6 +80,8 @@ class Qwen3Model:
         off = (positions % bs).to(self.device)
         cos, sin = self.cos[positions.to(self.device)], self.sin[positions.to(self.device)]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        ragged = None if exact else ops.RaggedAttention(
+            [(s.start, s.end, s.ctx_len, s.block_table) for s in seqs], positions, bs, self.device)
 
         x = w["model.embed_tokens.weight"][ids.to(self.device)]
         for i in range(cfg.num_hidden_layers):
@@ -83,21 +96,20 @@ class Qwen3Model:
             q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
             kv[i, 0, blk, off] = k.to(kv.dtype)
             kv[i, 1, blk, off] = v.to(kv.dtype)
-            attn = torch.empty_like(q)
-            for s in seqs:
-                nblk = -(-s.ctx_len // bs)
-                table = torch.as_tensor(s.block_table[:nblk], dtype=torch.long,
-                                        device=self.device)
-                kc = kv[i, 0, table].reshape(-1, hkv, d)[: s.ctx_len]
-                vc = kv[i, 1, table].reshape(-1, hkv, d)[: s.ctx_len]
-                if exact:
+            if exact:
+                attn = torch.empty_like(q)
+                for s in seqs:
+                    nblk = -(-s.ctx_len // bs)
+                    table = torch.as_tensor(s.block_table[:nblk], dtype=torch.long,
+                                            device=self.device)
+                    kc = kv[i, 0, table].reshape(-1, hkv, d)[: s.ctx_len]
+                    vc = kv[i, 1, table].reshape(-1, hkv, d)[: s.ctx_len]
                     first = s.ctx_len - (s.end - s.start)
                     for r in range(s.start, s.end):
                         L = first + (r - s.start) + 1
                         attn[r] = ops.attend_row(q[r], kc[:L], vc[:L], self.scale)
-                else:
-                    attn[s.start : s.end] = ops.attend_causal(q[s.start : s.end], kc, vc,
-                                                              self.scale)
+            else:
+                attn = ragged.attend(q, k, v, kv[i, 0], kv[i, 1], self.scale)
             x = x + ops.linear(attn.reshape(n, hq * d), w[p + "self_attn.o_proj.weight"], exact)
             h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = ops.linear(h, w[p + "mlp.gate_proj.weight"], exact)
@@ -106,6 +118,29 @@ class Qwen3Model:
         last = torch.as_tensor([s.end - 1 for s in seqs], dtype=torch.long, device=self.device)
         h = ops.rms_norm(x[last], w["model.norm.weight"], cfg.rms_norm_eps)
         return ops.linear(h, self.lm_head, exact).float()
+
+    def _attn_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer ``i``'s q (n, Hq, d) and k, v (n, Hkv, d) for rows ``x``, after QK-norm and
+        RoPE (batched products: the graph paths)."""
+        cfg, w, p = self.cfg, self.w, f"model.layers.{i}."
+        n, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(n, hq, d)
+        k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(n, hkv, d)
+        v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(n, hkv, d)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v
+
+    def _attn_out_mlp(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """``x`` plus layer ``i``'s output projection of ``attn`` (n, Hq * d), then plus its MLP."""
+        cfg, w, p = self.cfg, self.w, f"model.layers.{i}."
+        x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
+        h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
+        return x + F.linear(F.silu(gate) * F.linear(h, w[p + "mlp.up_proj.weight"]),
+                            w[p + "mlp.down_proj.weight"])
 
     @torch.inference_mode()
     def decode_static(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
@@ -126,25 +161,39 @@ class Qwen3Model:
         mask = (torch.arange(span, device=ids.device)[None, :] < ctx_lens[:, None])[:, None, None]
         x = w["model.embed_tokens.weight"][ids]
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(b, hq, d)
-            k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(b, hkv, d)
-            v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(b, hkv, d)
-            if cfg.qk_norm:
-                q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
-                k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+            q, k, v = self._attn_inputs(i, x, cos, sin)
             kv[i, 0, blk, off] = k.to(kv.dtype)
             kv[i, 1, blk, off] = v.to(kv.dtype)
             kc = kv[i, 0][tables].view(b, span, hkv, d).transpose(1, 2)
             vc = kv[i, 1][tables].view(b, span, hkv, d).transpose(1, 2)
             attn = F.scaled_dot_product_attention(q[:, :, None, :], kc, vc, attn_mask=mask,
                                                   scale=self.scale, enable_gqa=hq != hkv)
-            x = x + F.linear(attn.reshape(b, hq * d), w[p + "self_attn.o_proj.weight"])
-            h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
-            x = x + F.linear(F.silu(gate) * F.linear(h, w[p + "mlp.up_proj.weight"]),
-                             w[p + "mlp.down_proj.weight"])
+            x = self._attn_out_mlp(i, x, attn.reshape(b, hq * d))
         h = ops.rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill_static(self, ids: torch.Tensor, positions: torch.Tensor, blk: torch.Tensor,
+                       off: torch.Tensor, last: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """A whole prompt of one sequence, rows (N,) at positions 0..N-1, with shapes fixed
+        by N (graphable): K/V go to (``blk``, ``off``), attention is causal over the rows
+        themselves; returns logits (1, vocab) of row ``last`` (1,).
+
+        A prompt shorter than N is padded at the end: padding rows come after every real
+        row, so the causal mask hides them, and they write their K/V to a scratch block.
+        """
+        cfg, w = self.cfg, self.w
+        n = ids.shape[0]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = w["model.embed_tokens.weight"][ids]
+        for i in range(cfg.num_hidden_layers):
+            q, k, v = self._attn_inputs(i, x, cos, sin)
+            kv[i, 0, blk, off] = k.to(kv.dtype)
+            kv[i, 1, blk, off] = v.to(kv.dtype)
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], is_causal=True,
+                                                  scale=self.scale, enable_gqa=hq != hkv)
+            x = self._attn_out_mlp(i, x, attn[0].transpose(0, 1).reshape(n, hq * d))
+        h = ops.rms_norm(x.index_select(0, last), w["model.norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

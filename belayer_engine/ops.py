@@ -73,3 +73,96 @@ def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=L - n)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
+
+
+def no_cudnn_attention():
+    """Context: SDPA may use flash, memory-efficient or math kernels, not cuDNN (which
+    builds an execution plan per new shape; the eager path sees a new shape per length)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+class RaggedAttention:
+    """Fast-path attention of a ragged batch: at most two SDPA calls per layer, no Python
+    loop over sequences and no host-device copy inside the layer loop.
+
+    ``seqs``: (start, end, ctx_len, block_table) per sequence, rows [start, end) of the
+    batch at positions ``ctx_len - (end - start)`` .. ``ctx_len - 1``. Two groups:
+
+    - *fresh* sequences (a whole prompt, ``end - start == ctx_len``) attend over their own
+      new K/V: right-padded to the longest, one causal call (padding rows repeat the last
+      real row and are dropped; real rows never see a padding key, which lies after them);
+    - sequences with earlier context (decode rows) attend over keys gathered from the paged
+      cache through their block tables, with a mask (key position <= row position).
+
+    Everything the layers share (row gathers, block tables, masks) is built once, on the
+    host, and copied to the device once.
+    """
+
+    def __init__(self, seqs: list[tuple[int, int, int, list[int]]], positions: torch.Tensor,
+                 block_size: int, device: torch.device):
+        pos = positions.tolist()
+        fresh = [s for s in seqs if s[1] - s[0] == s[2]]
+        cached = [s for s in seqs if s[1] - s[0] != s[2]]
+        self.rows = sum(e - b for b, e, _, _ in seqs)
+        self.groups = []
+        for group, paged in ((fresh, False), (cached, True)):
+            if not group:
+                continue
+            n = max(e - b for b, e, _, _ in group)
+            gather, sel, dest, qpos, tables = [], [], [], [], []
+            nblk = max(-(-c // block_size) for _, _, c, _ in group) if paged else 0
+            for g, (b, e, c, table) in enumerate(group):
+                rows = list(range(b, e)) + [e - 1] * (n - (e - b))
+                gather += rows
+                sel += range(g * n, g * n + e - b)
+                dest += range(b, e)
+                qpos.append([pos[r] for r in rows])
+                if paged:
+                    used = list(table[: -(-c // block_size)])
+                    tables.append(used + [used[0]] * (nblk - len(used)))
+            ident = gather == list(range(self.rows)) and sel == gather
+
+            def as_dev(xs: list) -> torch.Tensor:
+                return torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)
+
+            entry = {"g": len(group), "n": n, "ident": ident,
+                     "gather": None if ident else as_dev(gather),
+                     "sel": None if ident else as_dev(sel), "dest": None if ident else as_dev(dest)}
+            if paged:
+                span = nblk * block_size
+                q_at = torch.tensor(qpos, dtype=torch.long)
+                mask = torch.arange(span)[None, None, :] <= q_at[:, :, None]
+                entry.update(tables=as_dev(tables), span=span,
+                             mask=mask[:, None].to(device, non_blocking=True))
+            self.groups.append(entry)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (rows, H, d), this call's k, v (rows, Hkv, d), caches (blocks, bs, Hkv, d)."""
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        out = None
+        for grp in self.groups:
+            g, n = grp["g"], grp["n"]
+            if "tables" in grp:
+                kc = k_cache[grp["tables"]].view(g, grp["span"], hkv, d).transpose(1, 2)
+                vc = v_cache[grp["tables"]].view(g, grp["span"], hkv, d).transpose(1, 2)
+                o = F.scaled_dot_product_attention(_padded(q, grp), kc.to(q.dtype), vc.to(q.dtype),
+                                                   attn_mask=grp["mask"], scale=scale,
+                                                   enable_gqa=hq != hkv)
+            else:
+                o = F.scaled_dot_product_attention(_padded(q, grp), _padded(k, grp), _padded(v, grp), is_causal=True,
+                                                   scale=scale, enable_gqa=hq != hkv)
+            o = o.transpose(1, 2).reshape(g * n, hq, d)
+            if grp["ident"]:  # the group is the whole batch, in row order, unpadded
+                return o
+            out = torch.empty_like(q) if out is None else out
+            out.index_copy_(0, grp["dest"], o.index_select(0, grp["sel"]))
+        return out
+
+
+def _padded(x: torch.Tensor, grp: dict) -> torch.Tensor:
+    """Rows (rows, heads, d) of one RaggedAttention group as (g, heads, n, d)."""
+    x = x if grp["ident"] else x.index_select(0, grp["gather"])
+    return x.view(grp["g"], grp["n"], x.shape[1], x.shape[2]).transpose(1, 2)

@@ -223,7 +223,7 @@ class Engine:
         batch = self.running + new
         if not batch:
             return
-        logits = self._graph_decode(batch) if not new else None
+        logits = self._graph_step(batch, new)
         if logits is None:
             logits = self._eager(batch, new)
         self.running.extend(new)
@@ -236,6 +236,21 @@ class Engine:
                 self._finish(r, reason)
             else:
                 self._emit(r)
+
+    def _graph_step(self, batch: list[Request], new: list[Request]) -> torch.Tensor | None:
+        """Logits of one step from CUDA graphs: the decode graph for the running requests and
+        one prefill graph per new request (``batch`` is running + new, in that order); None
+        when some shape is not covered, and the eager path runs the whole step instead."""
+        if self.graphs is None or not all(self.graphs.fits_prefill(len(r.prompt)) for r in new):
+            return None
+        parts = []
+        if len(batch) > len(new):
+            decoded = self._graph_decode(batch[: len(batch) - len(new)])
+            if decoded is None:
+                return None
+            parts.append(decoded.clone())  # graphs share a memory pool: copy before the next replay
+        parts += [self.graphs.run_prefill(r.prompt, r.blocks) for r in new]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _graph_decode(self, batch: list[Request]) -> torch.Tensor | None:
         if self.graphs is None:

@@ -32,6 +32,8 @@ from .supervisor_slot import Slot, SlotProcesses, started_for
 
 log = logging.getLogger(__name__)
 
+_REARM_DELAY_S = 0.02  # a new shadow is spawned this long after a handover (off the critical path)
+
 
 class Supervisor:
     """Owns the processes of every slot; feeds the router's ``RoutingTable``."""
@@ -188,6 +190,9 @@ class Supervisor:
             return
 
         async def arm() -> None:
+            # Spawning blocks this loop for a few ms (fork + exec): let the streams that a
+            # handover just resumed send their requests first.
+            await asyncio.sleep(_REARM_DELAY_S)
             try:
                 slot.shadow = await self._start_worker(slot, shadow=True)
             except WorkerLost as exc:
@@ -254,9 +259,17 @@ class Supervisor:
             self._event(slot, "detected", source=source, reason=reason, pid=proc.pid)
             await self.table.mark_down(slot.name, reason)
             slot.worker, slot.endpoint = None, None
-            await fence(proc, cfg.fence_timeout_s)
+            # The arena check only reads the owner's state: it runs while the fence waits for
+            # the reap (tearing down a CUDA process takes most of the handover); nothing
+            # below touches the worker's KV before both are done.
+            health = asyncio.create_task(self._arena_health(slot))
+            try:
+                await fence(proc, cfg.fence_timeout_s)
+            except BaseException:
+                health.cancel()
+                raise
             self._event(slot, "fenced", pid=proc.pid, fence_s=time.monotonic() - t0)
-            if not await self._arena_ok(slot):
+            if not await self._arena_ok(slot, await health):
                 await self._cold_restart(slot, "arena unhealthy at handover")
                 return
             if slot.activated_at is not None and t0 - slot.activated_at < cfg.unhealthy_window_s:
@@ -285,21 +298,29 @@ class Supervisor:
         shadow, slot.shadow = slot.shadow, None
         if shadow is None or not shadow.alive:
             return None
+        t0 = time.monotonic()
         try:
             took = await self._procs.activate(shadow)
         except WorkerLost as exc:
             log.warning("slot %s: shadow activation failed (%s); cold start instead", slot.name, exc)
             await fence(shadow, self.config.fence_timeout_s)
             return None
-        self._event(slot, "activated", pid=shadow.pid, activate_s=took)
+        self._event(slot, "activated", pid=shadow.pid, activate_s=took, post_s=time.monotonic() - t0)
         return shadow
 
-    async def _arena_ok(self, slot: Slot) -> bool:
+    async def _arena_health(self, slot: Slot) -> tuple[dict | None, float]:
+        """The arena's health answer (None: owner gone or silent) and seconds it took."""
+        assert self._procs is not None
+        t0 = time.monotonic()
+        return await self._procs.arena_health(slot), time.monotonic() - t0
+
+    async def _arena_ok(self, slot: Slot, checked: tuple[dict | None, float] | None = None) -> bool:
         """Owner alive and answering, the device healthy, and still the owner we started."""
-        assert self._procs is not None and slot.arena is not None
-        health = await self._procs.arena_health(slot)
+        assert slot.arena is not None
+        health, took = checked or await self._arena_health(slot)
         ok = bool(health) and health.get("device_ok", True) and health.get("owner_pid") in (None, slot.arena.pid)
-        self._event(slot, "arena_checked", ok=ok, detail=(health or {}).get("device_detail"))
+        ok = ok and slot.arena.alive  # the owner may have died since it answered
+        self._event(slot, "arena_checked", ok=ok, took_s=took, detail=(health or {}).get("device_detail"))
         return ok
 
     async def _fence_slot_children(self, slot: Slot) -> None:

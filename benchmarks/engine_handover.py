@@ -6,11 +6,18 @@ regenerated). Writes JSON and a plot to ``benchmarks/results/``.
 
     python benchmarks/engine_handover.py                 # CPU, embedded small model
     python benchmarks/engine_handover.py --device cuda:0 --arena-arg=--preset --arena-arg=qwen3-4b
+    python benchmarks/engine_handover.py --device cuda:0 --model-dir DIR --repeats 4 --regen-repeats 2
 
 Kill-to-first-token is measured from the ``kill()`` call to the arrival at the client of
 the first token produced by the replacement worker (the token at the failure index);
 detection latency from ``kill()`` to the supervisor's ``detected`` event (same clock:
-the engine runs in this process).
+the engine runs in this process). Each run is broken down along the critical path
+(``breakdown``): detect (kill -> ``detected``), fence (-> ``fenced``: SIGKILL of the group,
+reaped), health (-> ``arena_checked``; ``health_took_s`` is the check itself, which runs
+during the fence), activate (-> ``activated``; cold: the worker's cold start), route
+(-> ``routed``), resend (-> the router's new ``/generate``), first_chunk (-> its first token
+at the router; ``reprefill_s`` is the worker's own request-to-first-token time, i.e. the
+re-prefill of prompt + generated), deliver (-> the client has it).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import time
+from contextlib import aclosing
 from pathlib import Path
 
 from belayer_engine.client import EngineClient
@@ -32,6 +40,53 @@ from belayer_engine.launch import RecoverableEngine
 from belayer_engine.router import RouterConfig
 
 PROMPT = "The belay device holds the rope when"
+SENDS: list[dict] = []  # every /generate the router sent: monotonic send / first-token times
+
+
+def _instrument_router() -> None:
+    """Time the router's upstream calls (the engine, hence the router, runs in this process)."""
+    from belayer_engine.router import recovery
+
+    inner = recovery.stream_generate
+
+    async def timed(session, endpoint, body, **kw):
+        rec = {"t_sent": time.monotonic(), "rid": body.get("rid"), "input_len": len(body.get("input_ids", []))}
+        SENDS.append(rec)
+        async with aclosing(inner(session, endpoint, body, **kw)) as chunks:
+            async for chunk in chunks:
+                if "t_first" not in rec and chunk.ids:
+                    rec["t_first"] = time.monotonic()
+                    rec["worker_e2e_s"] = chunk.meta.get("e2e_latency")
+                yield chunk
+
+    recovery.stream_generate = timed
+
+
+def _breakdown(events: list[dict], t_kill: float, t_client: float) -> dict:
+    """Critical-path segments of one kill (see the module docstring)."""
+    def first(kind: str) -> dict | None:
+        return next((e for e in events if e["event"] == kind and e["t"] >= t_kill), None)
+
+    marks = [("detect", first("detected")), ("fence", first("fenced")), ("health", first("arena_checked")),
+             ("activate", first("activated")), ("route", first("routed"))]
+    send = next((r for r in SENDS if r["t_sent"] >= t_kill), None)
+    out, prev = {}, t_kill
+    for name, ev in marks:
+        if ev is None:
+            out[f"{name}_s"] = None
+            continue
+        out[f"{name}_s"], prev = ev["t"] - prev, ev["t"]
+    if send is not None:
+        out["resend_s"] = send["t_sent"] - prev
+        out["first_chunk_s"] = send.get("t_first", t_client) - send["t_sent"]
+        out["deliver_s"] = t_client - send.get("t_first", t_client)
+        out["reprefill_s"] = send.get("worker_e2e_s")
+        out["reprefill_tokens"] = send["input_len"]
+    health, act = first("arena_checked"), first("activated")
+    out["health_took_s"] = (health or {}).get("took_s")
+    out["worker_activate_s"] = (act or {}).get("activate_s")
+    out["activate_post_s"] = (act or {}).get("post_s")
+    return out
 
 
 async def _stream(base_url: str, max_tokens: int, kill_at: int, pid: int) -> dict:
@@ -70,8 +125,6 @@ def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
             detected = [e["t"] for e in eng.events() if e["event"] == "detected" and e["t"] >= r["t_kill"]]
             handover = [e for e in eng.events() if e["event"] == "handover" and e["t"] >= r["t_kill"]]
             routed = [e["t"] for e in eng.events() if e["event"] == "routed" and e["t"] >= r["t_kill"]]
-            fenced = [e["fence_s"] for e in eng.events() if e["event"] == "fenced" and e["t"] >= r["t_kill"]]
-            activated = [e["activate_s"] for e in eng.events() if e["event"] == "activated" and e["t"] >= r["t_kill"]]
             runs.append({
                 "kill_at_client_token": kill_at,
                 "failure_at_token": failure["at_token"],
@@ -80,8 +133,7 @@ def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
                 "handover_path": handover[0]["path"] if handover else None,
                 "supervisor_handover_s": handover[0]["total_s"] if handover else None,
                 "routed_to_first_token_s": (first_new - routed[0]) if routed else None,
-                "fence_s": fenced[0] if fenced else None,
-                "worker_activate_s": activated[0] if activated else None,
+                "breakdown": _breakdown(eng.events(), r["t_kill"], first_new),
             })
             print(mode, json.dumps(runs[-1]), flush=True)
         if shadow:
@@ -124,17 +176,18 @@ def regenerated(args, rng: random.Random) -> dict:
     out = {}
     for recovery in ("token", "chunk"):
         router = RouterConfig(recovery=recovery, chunk_tokens=args.chunk_tokens)
-        vals = []
+        vals = out[recovery] = []
+        if args.regen_repeats == 0:
+            continue
         with RecoverableEngine.launch(workers=1, shadow=True, device=args.device, model=args.model_dir, router=router,
                                       unhealthy_window_s=0.0, arena_args=args.arena_arg, start_timeout_s=600) as eng:
-            for _ in range(args.repeats):
+            for _ in range(args.regen_repeats):
                 eng.wait_ready(timeout=600, stable=True)
                 kill_at = rng.randint(args.chunk_tokens // 2, args.regen_tokens - 16)
                 r = asyncio.run(_stream(eng.base_url, args.regen_tokens, kill_at, eng.worker_pid(0)))
                 vals.append({"failure_at_token": r["summary"]["failures"][0]["at_token"],
                              "regenerated": r["summary"]["regenerated_tokens"], "diverged": r["summary"].get("diverged")})
                 print(recovery, json.dumps(vals[-1]), flush=True)
-        out[recovery] = vals
     return out
 
 
@@ -160,6 +213,11 @@ def plot(result: dict, path: Path) -> None:
     a.set_title(f"SIGKILL mid-stream ({result['device']}): {result['summary']['speedup']:.1f}x")
     a.legend()
     regen = result["regenerated"]
+    if not all(regen.get(k) for k in ("token", "chunk")):
+        b.set_axis_off()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     b.bar(["token-level", f"every {result['chunk_tokens']}"],
           [statistics.fmean(v["regenerated"] for v in regen[k]) for k in ("token", "chunk")], color=["#4a4", "#c84"])
     b.set_ylabel("tokens regenerated per failure (mean)")
@@ -174,6 +232,8 @@ def main() -> None:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--arena-arg", action="append", default=[], help="extra arena option (repeatable)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--regen-repeats", type=int, default=None, help="runs per recovery mode (default: --repeats; 0 skips)")
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--regen-tokens", type=int, default=400)
     p.add_argument("--chunk-tokens", type=int, default=256)
@@ -183,6 +243,8 @@ def main() -> None:
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
         return
+    args.regen_repeats = args.repeats if args.regen_repeats is None else args.regen_repeats
+    _instrument_router()
     rng = random.Random(7)
     result = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
               "runs": {}}
@@ -192,12 +254,16 @@ def main() -> None:
     result["regenerated"] = regenerated(args, rng)
     summary = {m: {k: _stats([r[k] for r in result["runs"][m]]) for k in ("kill_to_first_token_s", "detection_s", "supervisor_handover_s", "routed_to_first_token_s")}
                for m in ("cold", "shadow")}
+    for m in ("cold", "shadow"):
+        keys = dict.fromkeys(k for r in result["runs"][m] for k, v in r["breakdown"].items() if isinstance(v, float))
+        summary[m]["breakdown_mean"] = {k: _stats([r["breakdown"].get(k) for r in result["runs"][m]]).get("mean") for k in keys}
     summary["speedup"] = summary["cold"]["kill_to_first_token_s"]["mean"] / summary["shadow"]["kill_to_first_token_s"]["mean"]
-    summary["regenerated_mean"] = {k: statistics.fmean(v["regenerated"] for v in result["regenerated"][k]) for k in ("token", "chunk")}
+    summary["regenerated_mean"] = {k: statistics.fmean(v["regenerated"] for v in result["regenerated"][k])
+                                   for k in ("token", "chunk") if result["regenerated"][k]}
     result["summary"] = summary
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = args.device.replace(":", "")
+    tag = args.device.replace(":", "") + args.tag
     (out / f"engine_handover_{tag}.json").write_text(json.dumps(result, indent=2))
     try:
         plot(result, out / f"engine_handover_{tag}.png")
