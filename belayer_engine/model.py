@@ -85,15 +85,7 @@ class Qwen3Model:
 
         x = w["model.embed_tokens.weight"][ids.to(self.device)]
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = ops.linear(h, w[p + "self_attn.q_proj.weight"], exact).view(n, hq, d)
-            k = ops.linear(h, w[p + "self_attn.k_proj.weight"], exact).view(n, hkv, d)
-            v = ops.linear(h, w[p + "self_attn.v_proj.weight"], exact).view(n, hkv, d)
-            if cfg.qk_norm:
-                q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
-                k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+            q, k, v = ops.layer_qkv(cfg, w, i, x, cos, sin, exact)
             kv[i, 0, blk, off] = k.to(kv.dtype)
             kv[i, 1, blk, off] = v.to(kv.dtype)
             if exact:
@@ -110,37 +102,10 @@ class Qwen3Model:
                         attn[r] = ops.attend_row(q[r], kc[:L], vc[:L], self.scale)
             else:
                 attn = ragged.attend(q, k, v, kv[i, 0], kv[i, 1], self.scale)
-            x = x + ops.linear(attn.reshape(n, hq * d), w[p + "self_attn.o_proj.weight"], exact)
-            h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate = ops.linear(h, w[p + "mlp.gate_proj.weight"], exact)
-            up = ops.linear(h, w[p + "mlp.up_proj.weight"], exact)
-            x = x + ops.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], exact)
+            x = ops.layer_out_mlp(cfg, w, i, x, attn.reshape(n, hq * d), exact)
         last = torch.as_tensor([s.end - 1 for s in seqs], dtype=torch.long, device=self.device)
         h = ops.rms_norm(x[last], w["model.norm.weight"], cfg.rms_norm_eps)
         return ops.linear(h, self.lm_head, exact).float()
-
-    def _attn_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Layer ``i``'s q (n, Hq, d) and k, v (n, Hkv, d) for rows ``x``, after QK-norm and
-        RoPE (batched products: the graph paths)."""
-        cfg, w, p = self.cfg, self.w, f"model.layers.{i}."
-        n, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(n, hq, d)
-        k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(n, hkv, d)
-        v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(n, hkv, d)
-        if cfg.qk_norm:
-            q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
-            k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v
-
-    def _attn_out_mlp(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """``x`` plus layer ``i``'s output projection of ``attn`` (n, Hq * d), then plus its MLP."""
-        cfg, w, p = self.cfg, self.w, f"model.layers.{i}."
-        x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
-        h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
-        return x + F.linear(F.silu(gate) * F.linear(h, w[p + "mlp.up_proj.weight"]),
-                            w[p + "mlp.down_proj.weight"])
 
     @torch.inference_mode()
     def decode_static(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
@@ -161,14 +126,14 @@ class Qwen3Model:
         mask = (torch.arange(span, device=ids.device)[None, :] < ctx_lens[:, None])[:, None, None]
         x = w["model.embed_tokens.weight"][ids]
         for i in range(cfg.num_hidden_layers):
-            q, k, v = self._attn_inputs(i, x, cos, sin)
+            q, k, v = ops.layer_qkv(self.cfg, self.w, i, x, cos, sin, exact=False)
             kv[i, 0, blk, off] = k.to(kv.dtype)
             kv[i, 1, blk, off] = v.to(kv.dtype)
             kc = kv[i, 0][tables].view(b, span, hkv, d).transpose(1, 2)
             vc = kv[i, 1][tables].view(b, span, hkv, d).transpose(1, 2)
             attn = F.scaled_dot_product_attention(q[:, :, None, :], kc, vc, attn_mask=mask,
                                                   scale=self.scale, enable_gqa=hq != hkv)
-            x = self._attn_out_mlp(i, x, attn.reshape(b, hq * d))
+            x = ops.layer_out_mlp(self.cfg, self.w, i, x, exact=False, attn=attn.reshape(b, hq * d))
         h = ops.rms_norm(x, w["model.norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
@@ -188,12 +153,12 @@ class Qwen3Model:
         cos, sin = self.cos[positions], self.sin[positions]
         x = w["model.embed_tokens.weight"][ids]
         for i in range(cfg.num_hidden_layers):
-            q, k, v = self._attn_inputs(i, x, cos, sin)
+            q, k, v = ops.layer_qkv(self.cfg, self.w, i, x, cos, sin, exact=False)
             kv[i, 0, blk, off] = k.to(kv.dtype)
             kv[i, 1, blk, off] = v.to(kv.dtype)
             attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                   v.transpose(0, 1)[None], is_causal=True,
                                                   scale=self.scale, enable_gqa=hq != hkv)
-            x = self._attn_out_mlp(i, x, attn[0].transpose(0, 1).reshape(n, hq * d))
+            x = ops.layer_out_mlp(self.cfg, self.w, i, x, exact=False, attn=attn[0].transpose(0, 1).reshape(n, hq * d))
         h = ops.rms_norm(x.index_select(0, last), w["model.norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

@@ -33,6 +33,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, exact: bool) -> torch.Tensor:
     return torch.cat([F.linear(x[i : i + 1].clone(), weight) for i in range(x.shape[0])])
 
 
+def layer_qkv(cfg, w, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s q (n, Hq, d) and k, v (n, Hkv, d) for rows ``x``: input RMSNorm,
+    projections, Qwen3's per-head q/k RMSNorm, RoPE. One definition serves the worker, its
+    CUDA-graph paths and the dense reference, so they differ only in attention and caching."""
+    p = f"model.layers.{layer}."
+    n, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+    q = linear(h, w[p + "self_attn.q_proj.weight"], exact).view(n, hq, d)
+    k = linear(h, w[p + "self_attn.k_proj.weight"], exact).view(n, hkv, d)
+    v = linear(h, w[p + "self_attn.v_proj.weight"], exact).view(n, hkv, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def layer_out_mlp(cfg, w, layer: int, x: torch.Tensor, attn: torch.Tensor, exact: bool) -> torch.Tensor:
+    """``x`` plus layer ``layer``'s output projection of ``attn`` (n, Hq * d), then plus its
+    SwiGLU MLP."""
+    p = f"model.layers.{layer}."
+    x = x + linear(attn, w[p + "self_attn.o_proj.weight"], exact)
+    h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    gate = linear(h, w[p + "mlp.gate_proj.weight"], exact)
+    up = linear(h, w[p + "mlp.up_proj.weight"], exact)
+    return x + linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], exact)
+
+
 def rope_tables(head_dim: int, max_pos: int, theta: float, device, dtype=torch.float32):
     """cos/sin tables (max_pos, head_dim), computed once so every lookup is exact."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

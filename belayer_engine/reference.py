@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from belayer_engine import ops
 from belayer_engine.model_config import ModelConfig
@@ -20,31 +19,19 @@ from belayer_engine.model_config import ModelConfig
 def dense_logits(cfg: ModelConfig, w: Mapping[str, torch.Tensor], ids: list[int],
                  exact: bool = True) -> torch.Tensor:
     """Logits (vocab,) of the last position of ``ids``."""
-    n, hq, hkv, d = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    n, hq, d = len(ids), cfg.num_attention_heads, cfg.head_dim
     cos, sin = ops.rope_tables(d, cfg.max_position_embeddings, cfg.rope_theta, "cpu")
     cos, sin = cos[:n], sin[:n]
     scale = d ** -0.5
     x = w["model.embed_tokens.weight"][torch.tensor(ids)]
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        h = ops.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        q = ops.linear(h, w[p + "self_attn.q_proj.weight"], exact).view(n, hq, d)
-        k = ops.linear(h, w[p + "self_attn.k_proj.weight"], exact).view(n, hkv, d)
-        v = ops.linear(h, w[p + "self_attn.v_proj.weight"], exact).view(n, hkv, d)
-        if cfg.qk_norm:
-            q = ops.rms_norm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
-            k = ops.rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        q, k, v = ops.layer_qkv(cfg, w, i, x, cos, sin, exact)
         if exact:
             attn = torch.stack([ops.attend_row(q[r], k[: r + 1], v[: r + 1], scale)
                                 for r in range(n)])
         else:
             attn = ops.attend_causal(q, k, v, scale)
-        x = x + ops.linear(attn.reshape(n, hq * d), w[p + "self_attn.o_proj.weight"], exact)
-        h = ops.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        gate = ops.linear(h, w[p + "mlp.gate_proj.weight"], exact)
-        up = ops.linear(h, w[p + "mlp.up_proj.weight"], exact)
-        x = x + ops.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"], exact)
+        x = ops.layer_out_mlp(cfg, w, i, x, attn.reshape(n, hq * d), exact)
     h = ops.rms_norm(x[-1:], w["model.norm.weight"], cfg.rms_norm_eps)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return ops.linear(h, head, exact).float()[0]
