@@ -6,6 +6,9 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
 
 - ``belayer``: ``full_checkpoint`` (pause -> runc/CRIU dump to tmpfs -> tar upperdir ->
   unpause -> hash + write + publish) and ``full_restore`` (fresh container, layer, CRIU).
+- ``belayer (pre-staged)``: the same checkpoint, ``prestage``d first (unpack + verify on
+  Docker's disk, what ``start_checkpoint`` does after publish, off the critical path:
+  reported as ``prestage_s``), then ``full_restore`` installs it with renames.
 - ``docker``: the naive way: pause -> ``POST /containers/{id}/checkpoints`` (leave running)
   -> ``docker commit --pause=false`` -> unpause; restore = create from the commit, copy the
   checkpoint in, ``start?checkpoint=``.
@@ -31,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore  # noqa: E402
+from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore, prestage  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
@@ -51,6 +54,11 @@ git add -A && git commit -qm init
 setsid python3 -c 'import os, time; heap = bytearray(os.urandom(50 << 20)); open("/tmp/ready", "w").close(); time.sleep(1e9)' >/dev/null 2>&1 </dev/null &
 for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
+
+
+METHODS = ("belayer", "prestaged", "docker", "cold")
+LABELS = {"belayer": "belayer", "prestaged": "belayer (pre-staged)", "docker": "docker checkpoint + commit",
+          "cold": "cold create + start"}
 
 
 def dir_size(path: Path) -> int:
@@ -100,6 +108,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> di
         r = sb.execute(HEAVY_SETUP)
         assert r["returncode"] == 0, r["output"][-2000:]
     out = {m: {k: [] for k in ("frozen_s", "total_s", "restore_s", "size_bytes")} for m in ("belayer", "docker")}
+    out["prestaged"] = {k: [] for k in ("frozen_s", "total_s", "prestage_s", "restore_s", "size_bytes")}
     out["cold"] = {"restore_s": []}
     images: list[str] = []
     try:
@@ -115,9 +124,21 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> di
             t0 = time.monotonic()
             sb = full_restore(ck, client=client)
             out["belayer"]["restore_s"].append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            assert prestage(ck, client) is not None, "nothing pre-staged"
+            out["prestaged"]["prestage_s"].append(time.monotonic() - t0)
+            phases: list[str] = []
+            t0 = time.monotonic()
+            sb = full_restore(ck, client=client, phase_hook=phases.append)
+            out["prestaged"]["restore_s"].append(time.monotonic() - t0)
+            assert "staged" in phases, phases
+            for k in ("frozen_s", "total_s", "size_bytes"):
+                out["prestaged"][k].append(getattr(ck, k))
             out["cold"]["restore_s"].append(cold_start(client, sb.config))
             print(f"  {scenario} run {i + 1}/{runs}: belayer frozen {ck.frozen_s * 1e3:.0f} ms, total "
-                  f"{ck.total_s * 1e3:.0f} ms, restore {out['belayer']['restore_s'][-1] * 1e3:.0f} ms | docker "
+                  f"{ck.total_s * 1e3:.0f} ms, restore {out['belayer']['restore_s'][-1] * 1e3:.0f} ms, pre-staged "
+                  f"{out['prestaged']['restore_s'][-1] * 1e3:.0f} ms (prestage {out['prestaged']['prestage_s'][-1] * 1e3:.0f}"
+                  " ms) | docker "
                   f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
                   flush=True)
     finally:
@@ -151,10 +172,10 @@ def plot(result: dict, path: Path) -> None:
     axes = axes[0]
     for ax, (scen, data) in zip(axes, result["scenarios"].items(), strict=False):
         x = range(len(metrics))
-        for j, method in enumerate(("belayer", "docker", "cold")):
+        for j, method in enumerate(METHODS):
             vals = [data[method].get(m, {}).get("p50", 0) * 1e3 for m in metrics]
-            ax.bar([k + j * 0.27 for k in x], vals, width=0.27, label=method)
-        ax.set_xticks([k + 0.27 for k in x], metrics)
+            ax.bar([k + j * 0.2 for k in x], vals, width=0.2, label=LABELS[method])
+        ax.set_xticks([k + 0.3 for k in x], metrics)
         ax.set_title(f"{scen} (p50, ms)")
         ax.set_ylabel("ms")
     axes[0].legend()
@@ -190,11 +211,11 @@ def main() -> int:
     plot(result, out.with_suffix(".png"))
     for scen, data in result["scenarios"].items():
         print(f"\n{scen}:")
-        for m in ("belayer", "docker", "cold"):
+        for m in METHODS:
             cells = "  ".join(f"{k} p50 {v['p50'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
                               f"{'ms' if k != 'size_bytes' else 'MB'} p95 {v['p95'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
                               for k, v in data[m].items())
-            print(f"  {m:8} {cells}")
+            print(f"  {LABELS[m]:22} {cells}")
     print(f"\nwrote {out}")
     return 0
 

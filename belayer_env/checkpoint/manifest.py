@@ -59,14 +59,19 @@ def write_manifest(directory: Path, data: dict[str, Any]) -> None:
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """Parse a checkpoint's manifest; ``ValueError`` if missing, unreadable or foreign."""
+    return read_manifest_digest(directory)[0]
+
+
+def read_manifest_digest(directory: Path) -> tuple[dict[str, Any], str]:
+    """``read_manifest`` plus the sha256 of the very bytes parsed (what a staged copy matches)."""
     try:
-        with open(directory / MANIFEST) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        raw = (directory / MANIFEST).read_bytes()
+        data = json.loads(raw)
+    except (OSError, ValueError) as e:
         raise ValueError(f"no valid {MANIFEST} in {directory}: {e}") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or "files" not in data:
         raise ValueError(f"{directory / MANIFEST} is not a belayer checkpoint manifest (format {FORMAT})")
-    return data
+    return data, hashlib.sha256(raw).hexdigest()
 
 
 def checkpoint_from_manifest(directory: Path, data: dict[str, Any]) -> Checkpoint:

@@ -4,6 +4,9 @@ The env takes checkpoints inside the LLM's generation bubble: it waits for ``.th
 (the sandbox runs again) and lets hashing, writing and publishing overlap the model's
 thinking. ``cancel()`` abandons it: the sandbox is thawed if frozen and nothing is
 published (a checkpoint that made it to the store before the cancel is removed again).
+With ``prestage=True`` (the default) the same thread then pre-stages the published
+checkpoint on Docker's disk (``prestaging``) so a restore skips the unpack; ``wait()`` and
+``done()`` do not wait for that, ``.prestaged`` is set when it ends (staged or not).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 from belayer.errors import CheckpointFailed
 from belayer_env.checkpoint.capture import PhaseHook, full_checkpoint
 from belayer_env.checkpoint.manifest import Checkpoint
+from belayer_env.checkpoint.prestaging import prestage as prestage_checkpoint
 from belayer_env.checkpoint.store import CheckpointStore
 
 
@@ -25,8 +29,12 @@ class PendingCheckpoint:
     """Handle of a checkpoint running on a thread."""
 
     def __init__(self, sandbox: Any, store: CheckpointStore, step: int, runtime: bool,
-                 phase_hook: PhaseHook | None):
+                 phase_hook: PhaseHook | None, prestage: bool = True):
         self.thawed = threading.Event()
+        self.prestaged = threading.Event()
+        """Set once the pre-staging after publish has ended (or was not to happen)."""
+        self._finished = threading.Event()
+        self._prestage = prestage
         self._cancel = threading.Event()
         self._store = store
         self._user_hook = phase_hook
@@ -54,11 +62,20 @@ class PendingCheckpoint:
             self._error = e
         finally:
             self.thawed.set()
+        try:
+            if self._result is not None and self._prestage:
+                # registered as in flight before wait() returns: a restore of it waits for
+                # the staged copy rather than unpacking a second time
+                prestage_checkpoint(self._result, sandbox.client, _started=self._finished.set)
+        except Exception:  # noqa: BLE001, S110 - best effort: a restore then unpacks itself
+            pass
+        finally:
+            self._finished.set()
+            self.prestaged.set()
 
     def wait(self, timeout: float | None = None) -> Checkpoint | None:
         """The published checkpoint; None if cancelled; re-raises ``CheckpointFailed``."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._finished.wait(timeout):
             raise TimeoutError(f"checkpoint still running after {timeout} s")
         if self._cancel.is_set():
             return None
@@ -73,10 +90,14 @@ class PendingCheckpoint:
         self._cancel.set()
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._finished.is_set()
 
 
 def start_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime: bool = True,
-                     phase_hook: PhaseHook | None = None) -> PendingCheckpoint:
-    """Start ``full_checkpoint`` on a background thread; see ``PendingCheckpoint``."""
-    return PendingCheckpoint(sandbox, store, step, runtime, phase_hook)
+                     phase_hook: PhaseHook | None = None, prestage: bool = True) -> PendingCheckpoint:
+    """Start ``full_checkpoint`` on a background thread; see ``PendingCheckpoint``.
+
+    ``prestage``: after publish, unpack + verify it on Docker's disk on the same thread
+    (``prestaging.prestage``) so that ``full_restore`` of it installs with renames only.
+    """
+    return PendingCheckpoint(sandbox, store, step, runtime, phase_hook, prestage)

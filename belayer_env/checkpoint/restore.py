@@ -1,11 +1,12 @@
 """``full_restore``: a fresh container at a checkpoint's boundary (layer + CRIU runtime).
 
-Order: read the manifest -> on two threads, unpack the layer and link/copy the CRIU
-images onto Docker's disk, checking every byte against the manifest -> meanwhile fence
-every container of that sandbox (killed, renamed aside; removed after the restore) and
-create a container with the same settings and the exact image the checkpoint was taken
-on -> rename the verified layer into its (empty) upperdir and the images into its
-checkpoint directory -> start from the checkpoint -> check it runs.
+Order: read the manifest -> claim a copy pre-staged against exactly this manifest
+(``prestaging``: unpacked + verified ahead of time) or else, on two threads, unpack the
+layer and link/copy the CRIU images onto Docker's disk, checking every byte against the
+manifest -> meanwhile fence every container of that sandbox (killed, renamed aside;
+removed after the restore) and create a container with the same settings and the exact
+image the checkpoint was taken on -> rename the verified layer into its (empty) upperdir
+and the images into its checkpoint directory -> start from the checkpoint -> check it runs.
 Nothing is started from bytes that disagree with the manifest. A checkpoint without
 runtime state, or whose runtime CRIU refuses, is restored file-system-only only when the
 caller passes ``allow_degraded=True``; the result then says ``.degraded = True``.
@@ -26,9 +27,9 @@ from typing import Any
 import docker
 
 from belayer.errors import BelayerError, RestoreFailed
-from belayer_env.checkpoint import layer, runtime
-from belayer_env.checkpoint.manifest import Checkpoint, read_manifest
-from belayer_env.checkpoint.store import owner_alive, owner_tag
+from belayer_env.checkpoint import layer, prestaging, runtime
+from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
+from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect, translate_errors
 from belayer_env.ownership import SANDBOX_NAME
 from belayer_env.sandbox import DockerSandbox, create_container
@@ -43,7 +44,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     hook = phase_hook or (lambda _p: None)
     ck = checkpoint
     try:
-        data = read_manifest(Path(ck.path))
+        data, digest = read_manifest_digest(Path(ck.path))
     except ValueError as e:
         raise RestoreFailed(f"checkpoint {ck.id} is incomplete: {e}", checkpoint=ck.id) from e
     if not ck.has_runtime and not allow_degraded:
@@ -52,12 +53,18 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     client = client or connect(ck.config.docker_host)
     tmp = Path(_docker_root(client)) / "tmp"
     _clean_dead_staging(tmp)
-    # unpack + verify both artifacts on Docker's disk while the old container is fenced
-    # and the new one created; each is then moved into place with one rename
-    fs = _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
-        Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
-    images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
-        Path(ck.path), data["files"], d)) if ck.has_runtime else None
+    staged = prestaging.claim(client, ck, digest) if ck.has_runtime else None
+    if staged is not None:  # pre-staged and verified against this very manifest
+        hook("staged")
+        fs = _Staged.ready(ck, "file-system layer", staged / "layer")
+        images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
+    else:
+        # unpack + verify both artifacts on Docker's disk while the old container is fenced
+        # and the new one created; each is then moved into place with one rename
+        fs = _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
+            Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
+        images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
+            Path(ck.path), data["files"], d)) if ck.has_runtime else None
     cid, fenced, degraded = None, [], not ck.has_runtime
     try:
         fenced = _kill_all(client, ck.sandbox)
@@ -94,9 +101,11 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             raise RestoreFailed(f"checkpoint {ck.id}: file-system layer unusable: {e}", checkpoint=ck.id) from e
         raise RestoreFailed(f"restore of checkpoint {ck.id} failed: {_short(e)}", checkpoint=ck.id) from e
     finally:
-        for staged in (fs, images):
-            if staged is not None:
-                staged.discard()
+        for part in (fs, images):
+            if part is not None:
+                part.discard()
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
         _remove_in_background(client, fenced)  # after the restore: no disk contention with it
     sandbox = DockerSandbox.attach(cid, ck.config, ck.sandbox, client)
     sandbox.restored_from = ck.id
@@ -173,14 +182,26 @@ def _remove_quietly(client: Any, cid: str) -> None:
 
 
 class _Staged:
-    """Runs ``fill(dir)`` on a thread into a fresh dir under ``tmp``; ``move_to`` renames it."""
+    """Runs ``fill(dir)`` on a thread into a fresh dir under ``tmp``; ``move_to`` renames it.
 
-    def __init__(self, ck: Checkpoint, what: str, tmp: Path, fill: Callable[[Path], None]):
+    ``_Staged.ready(dir)``: content already there and verified (a claimed pre-staged copy).
+    """
+
+    def __init__(self, ck: Checkpoint, what: str, tmp: Path, fill: Callable[[Path], None] | None):
         self.ck, self.what = ck, what
         self.dir = tmp / f"belayer-restore-{uuid.uuid4().hex[:12]}~{owner_tag()}"
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fill,), daemon=True, name="belayer-restore-stage")
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if fill is not None:
+            self._thread = threading.Thread(target=self._run, args=(fill,), daemon=True, name="belayer-restore-stage")
+            self._thread.start()
+
+    @classmethod
+    def ready(cls, ck: Checkpoint, what: str, directory: Path) -> _Staged:
+        """Content already unpacked and verified (a claimed pre-staged copy)."""
+        self = cls(ck, what, directory.parent, None)
+        self.dir = directory
+        return self
 
     def _run(self, fill: Callable[[Path], None]) -> None:
         try:
@@ -191,7 +212,8 @@ class _Staged:
 
     def move_to(self, dest: Path) -> None:
         """Put the verified content at ``dest`` (an empty dir there is replaced)."""
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self.error is not None:
             raise RestoreFailed(f"checkpoint {self.ck.id}: {self.what} unusable: {_short(self.error)}",
                                 checkpoint=self.ck.id) from self.error
@@ -201,16 +223,12 @@ class _Staged:
         os.rename(self.dir, dest)
 
     def discard(self) -> None:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _clean_dead_staging(tmp: Path) -> None:
-    """Remove what restores killed mid-way left in Docker's tmp dir."""
-    with contextlib.suppress(OSError):
-        for d in tmp.glob("belayer-restore-*"):
-            if not owner_alive(d.name):
-                shutil.rmtree(d, ignore_errors=True)
+_clean_dead_staging = prestaging.clean_dead_staging
 
 
 def _create(client: Any, ck: Checkpoint, data: dict[str, Any]) -> str:
@@ -240,15 +258,7 @@ def _wait_running(client: Any, cid: str, ck: Checkpoint) -> None:
         time.sleep(0.02)
 
 
-_ROOTS: dict[int, str] = {}
-
-
-def _docker_root(client: Any) -> str:
-    key = id(client)
-    if key not in _ROOTS:
-        with translate_errors("docker info"):
-            _ROOTS[key] = client.info()["DockerRootDir"]
-    return _ROOTS[key]
+_docker_root = prestaging.docker_root
 
 
 def _remove(client: Any, cid: str) -> None:

@@ -78,14 +78,20 @@ def _log_tail(log: Path, lines: int = 8) -> str:
     return "; criu: " + " | ".join(errs or text[-lines:]) if text else ""
 
 
-def install(src: Path, files: dict[str, dict[str, Any]], dest: Path) -> None:
-    """Put the runtime images into ``dest`` (hardlink, else copy), verifying each one."""
+def install(src: Path, files: dict[str, dict[str, Any]], dest: Path, *, link: bool = True) -> None:
+    """Put the runtime images into ``dest`` (hardlink, else copy), verifying each one.
+
+    ``link=False`` always copies: the verified bytes are then independent of the store's
+    files (a pre-staged copy kept until a later restore).
+    """
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     for rel, meta in files.items():
         if not rel.startswith("runtime/"):
             continue
         target = dest / rel.removeprefix("runtime/")
         try:  # same file system: a hardlink (Docker and CRIU only read the images)
+            if not link:
+                raise OSError("copy asked for")
             os.link(src / rel, target)
             with open(target, "rb") as fi:
                 size, digest = copy_hashed(fi, _Discard())
