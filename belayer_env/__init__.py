@@ -7,6 +7,7 @@ cheap and a missing optional part never breaks the others.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -28,3 +29,11 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'belayer_env' has no attribute {name!r}")
+
+
+# Gymnasium >= 1.0 no longer loads `gymnasium.envs` entry points, so register on import:
+# `import belayer_env; gymnasium.make("belayer/Sandbox-v0")` (issue 4).
+with contextlib.suppress(ImportError):
+    from belayer_env.registration import register_envs
+
+    register_envs()

@@ -1,0 +1,211 @@
+"""The env's side of checkpointing: one capture in flight, the ready list, restore fallbacks.
+
+The mechanism (``belayer_env.checkpoint``: full_checkpoint / full_restore) is imported
+lazily: without it, the env still recovers, from the initial state. Decisions are the
+policy's; this class only carries them out and reports timings back to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from belayer.errors import CheckpointFailed, InfraError, RestoreFailed
+from belayer_env.policy import CheckpointPolicy
+from belayer_env.sandbox import DockerSandbox
+
+CANCEL_THAW_S = 10.0
+PhaseHook = Callable[[str], None]
+Recorder = Callable[..., Any]  # Trajectory.record
+
+
+def _checkpoint_api() -> Any | None:
+    try:
+        from belayer_env import checkpoint
+    except ImportError:
+        return None
+    return checkpoint if hasattr(checkpoint, "start_checkpoint") else None
+
+
+class Checkpointer:
+    def __init__(self, policy: CheckpointPolicy, record: Recorder, *, directory: str | None = None,
+                 keep: int = 3, runtime: bool = True, allow_degraded: bool = False):
+        self.policy = policy
+        self.record = record
+        self.runtime = runtime
+        self.allow_degraded = allow_degraded
+        self.keep = keep
+        self.phase_hook: PhaseHook | None = None
+        """Called at the mechanism's named phases (fault injection sets it)."""
+        self.api = _checkpoint_api()
+        self._own_dir = directory is None
+        self.directory = directory or tempfile.mkdtemp(prefix="belayer-env-ckpt-")
+        self.store = self.api.CheckpointStore(self.directory, keep=None) if self.api else None
+        self.ready: list[Any] = []  # Checkpoint objects of the current branch, oldest first
+        self._pending: Any | None = None
+        self._pending_step = 0
+        self._pending_started = 0.0
+        self._waited_for = False  # the step after the capture has waited for its thaw
+
+    @property
+    def available(self) -> bool:
+        return self.store is not None
+
+    # ------------------------------------------------------------------ capture
+
+    def after_step(self, sandbox: DockerSandbox, step: int) -> bool:
+        """Start a background capture of boundary ``step`` if the policy wants one."""
+        self.poll(step)
+        if not self.available or self._pending is not None or not self.policy.should_checkpoint(step):
+            return False
+        self._pending = self.api.start_checkpoint(sandbox, self.store, step, runtime=self.runtime,
+                                                  phase_hook=self.phase_hook)
+        self._pending_step, self._pending_started = step, time.monotonic()
+        self._waited_for = False
+        return True
+
+    def before_step(self, step: int) -> None:
+        """Step ``step + 1`` is about to run: the sandbox must not be frozen any more.
+
+        The first step after a capture waits for the thaw as long as the policy says, else
+        abandons the capture; what it waited is reported as the capture's visible cost.
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        if not self._waited_for:
+            self._waited_for = True
+            t0 = time.monotonic()
+            if not pending.thawed.is_set():
+                pending.thawed.wait(self.policy.late_wait_s(t0 - self._pending_started))
+            if not pending.thawed.is_set() and not pending.done():
+                pending.cancel()
+                pending.thawed.wait(CANCEL_THAW_S)  # abandoning thaws; a sandbox still frozen fails the step
+                self.policy.observe_wait(time.monotonic() - t0)
+                self._pending = None
+                elapsed = time.monotonic() - self._pending_started
+                timeout = getattr(getattr(self.policy, "config", None), "capture_timeout_s", None)
+                self.policy.observe_capture_failed(timed_out=timeout is not None and elapsed >= timeout)
+                self.record("checkpoint_abandoned", at_step=step)
+                return
+            self.policy.observe_wait(time.monotonic() - t0)
+        self.poll(step)
+
+    def poll(self, step: int, wait_s: float = 0.0) -> None:
+        """Collect a finished capture (ready or failed); ``wait_s`` bounds the wait for it."""
+        pending = self._pending
+        if pending is None or (wait_s <= 0 and not pending.done()):
+            return
+        try:
+            ckpt = pending.wait(timeout=wait_s if wait_s > 0 else None)
+        except TimeoutError:
+            return  # still running: keep it
+        except CheckpointFailed as e:
+            self._pending = None
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_failed", at_step=step, error=e)
+            return
+        except InfraError as e:  # e.g. a fault injected at a phase: the same outcome
+            self._pending = None
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_failed", at_step=step, error=e)
+            return
+        if ckpt is None and not pending.done():
+            return  # still running: keep it
+        self._pending = None
+        if ckpt is None:
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_failed", at_step=step)
+            return
+        self.ready.append(ckpt)
+        self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
+        self.policy.observe_ready(ckpt.step)
+        self.record("checkpoint_ready", at_step=ckpt.step)
+        self._prune()
+
+    def _prune(self) -> None:
+        while len(self.ready) > self.keep:
+            self._remove(self.ready.pop(0))
+
+    def _remove(self, ckpt: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.store.remove(ckpt.id)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, committed: int, *, client: Any, wait_s: float, attempts: int) -> tuple[DockerSandbox, int] | None:
+        """Restore the newest ready checkpoint at or below ``committed`` into a fresh container.
+
+        A checkpoint whose restore fails twice (``RestoreFailed``: corrupt, or the runtime
+        refused it) is dropped and an older one tried; a restore killed by an infra fault
+        is retried (the checkpoint is fine, the attempt was not). ``None``: nothing
+        usable is left, the caller goes back to the initial state.
+        """
+        self.poll(committed, wait_s=wait_s)
+        if self._pending is not None:  # outlived the wait: not trustworthy in time
+            self._pending.cancel()
+            self._pending = None
+            self.record("checkpoint_abandoned", at_step=committed)
+        tries, failures = 0, {}
+        while self.ready and tries < attempts:
+            ckpt = self.ready[-1]
+            if ckpt.step > committed:
+                self._remove(self.ready.pop())
+                continue
+            tries += 1
+            try:
+                sandbox = self.api.full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
+                                                phase_hook=self.phase_hook)
+            except RestoreFailed as e:
+                self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
+                failures[ckpt.id] = failures.get(ckpt.id, 0) + 1
+                if not _transient(e) and failures[ckpt.id] >= 2:  # bad twice: fall back to an older one
+                    self._remove(self.ready.pop())
+                continue
+            except InfraError as e:
+                self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
+                continue
+            if getattr(sandbox, "degraded", False):
+                self.record("degraded_restore", at_step=committed, to_step=ckpt.step)
+            return sandbox, ckpt.step
+        return None
+
+    def settle(self, step: int, timeout: float) -> None:
+        """Wait (bounded) for the capture in flight to finish and collect it."""
+        self.poll(step, wait_s=timeout)
+
+    def discard_after(self, step: int) -> None:
+        """Checkpoints past ``step`` belong to an abandoned branch: never restore them."""
+        keep = [c for c in self.ready if c.step <= step]
+        for c in self.ready:
+            if c.step > step:
+                self._remove(c)
+        self.ready = keep
+
+    def reset(self) -> None:
+        """New episode: cancel the capture in flight and forget every checkpoint."""
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending.cancel()
+                # let the capture thread end first: once the sandbox is fenced, nothing may
+                # pause or dump a container of this name any more
+                self._pending.wait(timeout=CANCEL_THAW_S)
+            self._pending = None
+        for c in self.ready:
+            self._remove(c)
+        self.ready = []
+
+    def close(self) -> None:
+        self.reset()
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _transient(error: RestoreFailed) -> bool:
+    """A restore that died of an infra fault (not of the checkpoint's content) may be retried."""
+    cause = error.__cause__
+    return isinstance(cause, InfraError) and not isinstance(cause, RestoreFailed)

@@ -1,0 +1,274 @@
+"""Consistency harness: N trials, each with a real fail-stop, must converge to the golden state.
+
+A fault-free run of the workload gives the golden state (whole-FS tree hash, the
+server's in-memory counter, the db, the logs). Each trial runs the same scripted agent
+(after a rollback to j it regenerates action j+1: the script is deterministic) with one
+fault placed uniformly: during an action (a random action, a random instant within its
+fault-free duration, a random kind of kill), during a checkpoint (a random capture, a
+random instant within its fault-free duration, or a crash at a random phase), or during a
+restore (an action is killed to cause one, then the restore dies at a random phase).
+A trial passes iff its final state equals the golden one and every effect happened
+exactly once. A trial that cannot finish is a counterexample too, never skipped.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from belayer.errors import InfraError
+from belayer_env.consistency.workload import ACTIONS, N_STEPS, SETUP, exactly_once_violations, probe
+from belayer_env.env import EnvConfig, RecoverableSandboxEnv
+from belayer_env.faults import (
+    ACTION_FAULTS,
+    CHECKPOINT_PHASES,
+    RESTORE_PHASES,
+    InjectedFault,
+    TransportBreaker,
+    kill_container,
+    kill_processes,
+    oom_container,
+)
+from belayer_env.ownership import SANDBOX_NAME
+from belayer_env.policy import AlwaysPolicy
+
+Where = Literal["action", "checkpoint", "restore"]
+INFRA_WORDS = ("SandboxLost", "DaemonUnavailable", "RestoreFailed", "CheckpointFailed", "InjectedFault",
+               "Docker", "docker", "container", "Traceback", "fail-stop")
+MAX_CALLS = 6 * N_STEPS  # a trial that needs more step calls than this is not converging
+
+
+class Fault(BaseModel):
+    where: Where
+    step: int
+    """The action (1-based) during / after which the fault fires."""
+    kind: str
+    delay_s: float = 0.0
+    phase: str | None = None
+    fired: bool = False
+
+
+class TrialResult(BaseModel):
+    trial: int
+    fault: Fault
+    ok: bool
+    problems: list[str] = Field(default_factory=list)
+    rollbacks: list[int] = Field(default_factory=list)
+    """The boundary each rollback went back to."""
+    duration_s: float = 0.0
+    events: list[str] = Field(default_factory=list)
+    """The env's infra events (kind@step: error), for reading a counterexample."""
+
+
+class ConsistencyReport(BaseModel):
+    trials: int
+    passed: int
+    counterexamples: list[TrialResult]
+    faults_fired: int
+    rollbacks: int
+    by_where: dict[str, int]
+    golden_s: float
+    total_s: float
+    seed: int
+
+
+class _Golden(BaseModel):
+    state: dict[str, Any]
+    exec_s: list[float]
+    capture_s: list[float]
+    duration_s: float
+
+
+def _make_env(checkpoint_every: int) -> RecoverableSandboxEnv:
+    policy = AlwaysPolicy(every=checkpoint_every)
+    return RecoverableSandboxEnv(EnvConfig(keep_checkpoints=N_STEPS), checkpoint_policy=policy)
+
+
+def _golden(checkpoint_every: int) -> _Golden:
+    env = _make_env(checkpoint_every)
+    t0 = time.monotonic()
+    try:
+        env.reset(options={"setup": SETUP})
+        for action in ACTIONS:
+            _obs, _r, _te, _tr, info = env.step(action)
+            if info.get("returncode") != 0:
+                raise RuntimeError(f"the workload failed fault-free at step {info['belayer']['step']}: {_obs[-500:]}")
+        env.settle()
+        state = probe(env.sandbox)
+        problems = exactly_once_violations(state)
+        if problems:
+            raise RuntimeError(f"the fault-free run is not exactly-once: {problems}")
+        return _Golden(state=state, exec_s=[s.exec_s for s in env.trajectory.steps],
+                       capture_s=[c.total_s for c in env.checkpointer.ready] or [0.5],
+                       duration_s=time.monotonic() - t0)
+    finally:
+        env.close()
+
+
+def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int) -> Fault:
+    where: Where = rng.choice(["action", "checkpoint", "restore"])
+    if where == "action":
+        step = rng.randint(1, N_STEPS)
+        return Fault(where=where, step=step, kind=rng.choice(ACTION_FAULTS),
+                     delay_s=rng.uniform(0, golden.exec_s[step - 1]))
+    if where == "checkpoint":
+        step = rng.choice([s for s in range(1, N_STEPS) if s % checkpoint_every == 0])
+        if rng.random() < 0.5:
+            return Fault(where=where, step=step, kind="kill", delay_s=rng.uniform(0, max(golden.capture_s)))
+        return Fault(where=where, step=step, kind=rng.choice(["kill", "raise"]), phase=rng.choice(CHECKPOINT_PHASES))
+    step = rng.randint(checkpoint_every + 1, N_STEPS)  # a checkpoint exists: a real restore
+    phase = rng.choice(RESTORE_PHASES)
+    return Fault(where=where, step=step, kind="raise" if phase == "created" else rng.choice(["kill", "raise"]),
+                 phase=phase)
+
+
+class _Injector:
+    """Fires one trial's fault into the env at the planned point."""
+
+    def __init__(self, env: RecoverableSandboxEnv, fault: Fault, breaker: TransportBreaker):
+        self.env, self.fault, self.breaker = env, fault, breaker
+        self.timers: list[threading.Timer] = []
+        self._phase_armed = False
+        self._caused = False
+        env.checkpointer.phase_hook = self._hook
+
+    def before_call(self, committed: int, call: int) -> None:
+        f = self.fault
+        if f.fired or committed + 1 != f.step:
+            return
+        if f.where == "action":
+            self._later(f.delay_s, f.kind)
+        elif f.where == "restore" and not self._caused:
+            self._caused = True
+            self.env.settle()  # let the newest capture publish, so recovery really restores it
+            self._phase_armed = True
+            self._now("kill")  # the action dies at once: recovery must restore...
+
+    def after_call(self, committed: int) -> None:
+        f = self.fault
+        if f.fired or f.where != "checkpoint" or committed != f.step:
+            return
+        if f.phase is None:
+            self._later(f.delay_s, "kill")  # ...the capture just started on a background thread
+        else:
+            self._phase_armed = True
+
+    def _hook(self, phase: str) -> None:
+        f = self.fault
+        if not self._phase_armed or phase != f.phase:
+            return
+        if (f.where == "restore") != (phase in RESTORE_PHASES and phase not in CHECKPOINT_PHASES):
+            return
+        self._phase_armed = False
+        f.fired = True
+        if f.kind == "raise":
+            raise InjectedFault(f"injected fail-stop in {f.where} at {phase}")
+        for c in self.env.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.env.name}"}):
+            kill_container(self.env.client, c["Id"])
+
+    def _later(self, delay_s: float, kind: str) -> None:
+        t = threading.Timer(delay_s, self._now, args=(kind,))
+        t.daemon = True
+        self.timers.append(t)
+        t.start()
+
+    def _now(self, kind: str) -> None:
+        sandbox = self.env.sandbox
+        if sandbox is None:
+            return
+        self.fault.fired = self.fault.fired or self.fault.where != "restore"
+        client, cid = self.env.client, sandbox.container_id
+        {"kill": lambda: kill_container(client, cid), "oom": lambda: oom_container(client, cid),
+         "kill_processes": lambda: kill_processes(client, cid),
+         "break_transport": self.breaker.break_all}[kind]()
+
+    def cancel(self) -> None:
+        for t in self.timers:
+            t.cancel()
+            t.join(timeout=5)
+
+
+def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int) -> TrialResult:
+    env = _make_env(checkpoint_every)
+    injector = _Injector(env, fault, TransportBreaker(env.client))
+    t0 = time.monotonic()
+    result = TrialResult(trial=trial, fault=fault, ok=False)
+    state = None
+    try:
+        seen = [env.reset(options={"setup": SETUP})[0]]  # observation at each boundary
+        committed, calls = 0, 0
+        while committed < N_STEPS:
+            calls += 1
+            if calls > MAX_CALLS:
+                raise RuntimeError(f"no convergence after {MAX_CALLS} step calls")
+            injector.before_call(committed, calls)
+            obs, _r, _te, _tr, info = env.step(ACTIONS[committed])
+            result.problems += [f"infra text {w!r} in an observation" for w in INFRA_WORDS if w in obs]
+            rollback = info["belayer"].get("rollback")
+            if rollback is not None:
+                result.rollbacks.append(rollback["to_step"])
+                committed = rollback["to_step"]
+                if obs != seen[committed]:
+                    result.problems.append(f"rollback to {committed} returned another observation than boundary {committed}'s")
+                del seen[committed + 1:]
+                continue
+            if info.get("returncode") != 0:
+                result.problems.append(f"action {committed + 1} failed: {obs[-300:]!r}")
+                break
+            committed += 1
+            seen.append(obs)
+            injector.after_call(committed)
+            if committed == N_STEPS:  # the sandbox may have died after the last action:
+                injector.cancel()     # probing it is one more step, recovered like any other
+                env.settle()
+                try:
+                    state = probe(env.sandbox)
+                except InfraError:
+                    _obs, _r, _te, _tr, info = env.step("true")
+                    if "rollback" in info["belayer"]:
+                        committed = info["belayer"]["rollback"]["to_step"]
+                        del seen[committed + 1:]
+                        result.rollbacks.append(committed)
+                    state = probe(env.sandbox) if committed == N_STEPS else None
+    except (InfraError, RuntimeError) as e:
+        injector.cancel()
+        result.problems.append(f"trial did not finish: {type(e).__name__}: {e}")
+        state = None
+    finally:
+        result.events = [f"{e.kind}@{e.at_step}->{e.to_step}: {e.error}: {(e.message or '')[:160]}"
+                         for e in env.trajectory.events]
+        env.close()
+    if state is not None:
+        result.problems += exactly_once_violations(state)
+        for key, want in golden.state.items():
+            if state.get(key) != want:
+                result.problems.append(f"{key} differs from golden: {state.get(key)!r} != {want!r}")
+    result.ok = not result.problems
+    result.duration_s = time.monotonic() - t0
+    return result
+
+
+def run_consistency(trials: int, *, seed: int = 0, checkpoint_every: int = 2,
+                    progress: Callable[[TrialResult], None] | None = None) -> ConsistencyReport:
+    """Golden run, then ``trials`` faulty trials; counterexamples are reported, never hidden."""
+    t0 = time.monotonic()
+    rng = random.Random(seed)
+    golden = _golden(checkpoint_every)
+    results = []
+    for i in range(trials):
+        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every), golden, checkpoint_every)
+        results.append(r)
+        if progress:
+            progress(r)
+    by_where: dict[str, int] = {}
+    for r in results:
+        by_where[r.fault.where] = by_where.get(r.fault.where, 0) + 1
+    return ConsistencyReport(
+        trials=trials, passed=sum(r.ok for r in results), counterexamples=[r for r in results if not r.ok],
+        faults_fired=sum(r.fault.fired for r in results), rollbacks=sum(len(r.rollbacks) for r in results),
+        by_where=by_where, golden_s=golden.duration_s, total_s=time.monotonic() - t0, seed=seed)

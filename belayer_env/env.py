@@ -1,0 +1,279 @@
+"""``RecoverableSandboxEnv``: a Gymnasium env over a real container, with prefix-consistent recovery.
+
+One bash command per step, mini-swe-agent style. When step k+1 hits an infrastructure
+failure, the effects of that action are unknowable, so it is never retried: the env fences
+the dead sandbox, restores the newest ready checkpoint j <= k (or the initial state, j = 0:
+a fresh sandbox plus the task's setup) and returns the observation of boundary j with
+``info["belayer"]["rollback"] = {"to_step": j, "reason": ...}``. The agent rolls its context
+back to prefix j and regenerates from there. Infra error text never reaches an observation;
+it is kept, labelled, in ``env.trajectory``.
+
+``info`` holds no timings, so the env stays deterministic for ``check_env``; timings and
+events live in ``env.trajectory``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any
+
+import docker
+import gymnasium as gym
+from pydantic import BaseModel, ConfigDict, Field
+
+from belayer.errors import InfraError, SandboxLost, UsageError
+from belayer_env.checkpointing import Checkpointer
+from belayer_env.config import SandboxConfig
+from belayer_env.docker_api import connect
+from belayer_env.ownership import SANDBOX_NAME
+from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
+from belayer_env.rewards import Reward, ZeroReward
+from belayer_env.sandbox import DockerSandbox
+from belayer_env.spaces import AnyText
+from belayer_env.trajectory import StepRecord, Trajectory
+
+SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+OBSERVATION_TEMPLATE = "<returncode>{returncode}</returncode>\n<output>\n{output}</output>"
+
+
+class EnvConfig(BaseModel):
+    """How the env runs, recovers and formats (the sandbox has its own config)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    observation_template: str = OBSERVATION_TEMPLATE
+    max_steps: int | None = None
+    """Truncate the episode after this many committed steps (None: never)."""
+    checkpoint_dir: str | None = None
+    """Checkpoint store directory (None: a private temporary one, removed at close)."""
+    keep_checkpoints: int = 3
+    runtime: bool = True
+    """Capture process state with CRIU (False: file-system-only checkpoints)."""
+    allow_degraded: bool = False
+    """Accept a file-system-only restore when the runtime cannot be restored (reported)."""
+    recovery_attempts: int = 4
+    """Restore attempts per failure before the episode is given up (the error is raised)."""
+    pending_wait_s: float = 30.0
+    """On failure, how long to wait for a capture still being written (it predates the fault)."""
+
+
+class RecoverableSandboxEnv(gym.Env[str, str]):
+    metadata = {"render_modes": []}
+
+    def __init__(self, config: EnvConfig | None = None, *,
+                 checkpoint_policy: PolicyName | CheckpointPolicy = "adaptive",
+                 reward: Reward | None = None, client: docker.DockerClient | None = None,
+                 **sandbox_overrides: Any):
+        config = config or EnvConfig()
+        if sandbox_overrides:
+            config = config.model_copy(update={"sandbox": config.sandbox.model_copy(update=sandbox_overrides)})
+        self.config = config
+        self.policy = make_policy(checkpoint_policy)
+        self.reward_fn: Reward = reward or ZeroReward()
+        self.client = client or connect(config.sandbox.docker_host)
+        limit = config.sandbox.max_output_bytes * 4 + 1024  # decoded text: up to 4 chars' worth per byte
+        self.observation_space = AnyText(max_length=max(limit, 1_000_000))
+        self.action_space = AnyText(max_length=1_000_000)
+        self.trajectory = Trajectory()
+        self.checkpointer = Checkpointer(self.policy, self._record, directory=config.checkpoint_dir,
+                                         keep=config.keep_checkpoints, runtime=config.runtime,
+                                         allow_degraded=config.allow_degraded)
+        self.sandbox: DockerSandbox | None = None
+        self.name = ""
+        self._episode_config = config.sandbox
+        self._setup: list[str] = []
+        self._done = True
+        self._last_return = time.monotonic()
+        self.last_result: dict[str, Any] = {}
+        """The sandbox's raw result of the last committed step (output, returncode)."""
+
+    # ------------------------------------------------------------------ gymnasium API
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        """Fresh sandbox (``options``: ``task`` text, ``setup`` command(s), ``image``)."""
+        super().reset(seed=seed)
+        options = dict(options or {})
+        self._done = True  # until the new sandbox is ready
+        self.checkpointer.reset()
+        self._fence()
+        self.sandbox = None
+        setup = options.get("setup") or []
+        self._setup = [setup] if isinstance(setup, str) else list(setup)
+        image = options.get("image")
+        self._episode_config = self.config.sandbox.model_copy(update={"image": image}) if image else self.config.sandbox
+        self.trajectory = Trajectory(task=str(options.get("task", "")))
+        self.policy.observe_rollback(0)
+        self.name = self._new_name()
+        for attempt in range(self.config.recovery_attempts):
+            try:
+                self.sandbox = self._initial_state()
+                break
+            except InfraError:
+                if attempt + 1 == self.config.recovery_attempts:
+                    raise
+        self._done = False
+        self._last_return = time.monotonic()
+        return self.trajectory.task, {"belayer": {"step": 0}}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        return self.step_command(action)
+
+    def step_command(self, action: str, *, cwd: str = "", timeout: float | None = None,
+                     checkpoint: bool = True) -> tuple[str, float, bool, bool, dict]:
+        """``step`` with mini-swe-agent's per-call ``cwd``/``timeout``; ``checkpoint=False``
+        keeps this boundary out of the checkpoint policy (e.g. mid-way through a message)."""
+        if self._done or self.sandbox is None:
+            raise UsageError("the episode is over (or was never started): call reset() first")
+        if not isinstance(action, str):
+            raise UsageError(f"action must be a str (one bash command), got {type(action).__name__}")
+        called = time.monotonic()
+        gen_s = called - self._last_return
+        k = len(self.trajectory.steps)
+        self.checkpointer.before_step(k)
+        try:
+            result = self.sandbox.execute(action, cwd=cwd, timeout=timeout)
+            if result["returncode"] == 126 and not result["output"].strip():
+                # the exec never started (Docker's 126) and its error text was lost with the
+                # stream: nothing the command did, so it is not the agent's outcome
+                raise SandboxLost(f"exec in sandbox {self.name} could not start (exit 126, no output)")
+            if (result["returncode"] >= 128 or result["returncode"] == 126) and not result.get("timed_out"):
+                self._confirm_alive()
+            output = result["output"]
+            submitted = result["returncode"] == 0 and _first_line(output) == SUBMIT_MARKER
+            reward = 0.0
+            if submitted:
+                submission = output.lstrip().split("\n", 1)[1] if "\n" in output.lstrip() else ""
+                reward = float(self.reward_fn(self.sandbox, self.trajectory, submission))
+        except InfraError as e:
+            return self._recover(e, k)
+        exec_s = time.monotonic() - called
+        self.last_result = result
+        observation = self.config.observation_template.format(returncode=result["returncode"], output=output)
+        self.trajectory.commit(StepRecord(
+            step=k + 1, action=action, observation=observation, returncode=result["returncode"],
+            exec_s=exec_s, gen_s=gen_s, regenerated=self.trajectory.recovered))
+        self.policy.observe_step(exec_s, gen_s)
+        truncated = self.config.max_steps is not None and k + 1 >= self.config.max_steps and not submitted
+        self._done = submitted or truncated
+        info: dict[str, Any] = {"belayer": {"step": k + 1}, "returncode": result["returncode"]}
+        if result.get("timed_out"):
+            info["timed_out"] = True
+        if submitted:
+            info["submission"] = submission
+        elif not truncated and checkpoint:
+            self.checkpointer.after_step(self.sandbox, k + 1)  # runs during the LLM's next generation
+        self._last_return = time.monotonic()
+        return observation, reward, submitted, truncated, info
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait (bounded) for a capture in flight, e.g. before using ``self.sandbox`` directly."""
+        self.checkpointer.settle(len(self.trajectory.steps), timeout)
+
+    def close(self) -> None:
+        """Remove the sandbox container and every checkpoint this env made (idempotent)."""
+        self.checkpointer.close()
+        self._fence()
+        self.sandbox = None
+        self._done = True
+        super().close()
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self, error: InfraError, k: int) -> tuple[str, float, bool, bool, dict]:
+        """Fence, restore boundary j <= k, roll the trajectory back; never retry the action."""
+        self.policy.observe_failure()
+        self._fence()
+        if self._name_blocked():
+            # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
+            # checkpoints restore under this name, so only boundary 0, under a new name, is left
+            self._record("restore_failed", at_step=k, error=SandboxLost(f"cannot fence {self.name}"))
+            self.checkpointer.discard_after(0)
+            self.name = self._new_name()
+        last: InfraError = error
+        restored: tuple[DockerSandbox, int] | None = None
+        for _ in range(self.config.recovery_attempts):
+            try:
+                restored = self.checkpointer.restore(k, client=self.client, wait_s=self.config.pending_wait_s,
+                                                     attempts=self.config.recovery_attempts)
+                if restored is None:
+                    self._fence()  # a failed restore may have left a container of this name
+                    restored = (self._initial_state(), 0)
+                break
+            except InfraError as e:  # the fresh sandbox failed too: fence it and try again
+                last = e
+                self._record("restore_failed", at_step=k, error=e)
+                self._fence()
+        if restored is None:
+            self._done = True
+            raise last
+        self.sandbox, j = restored
+        self.checkpointer.discard_after(j)
+        self.policy.observe_rollback(j)
+        self.trajectory.rollback(j, at_step=k, error=error)
+        self._last_return = time.monotonic()
+        observation = self.trajectory.observation_at(j)
+        info = {"belayer": {"step": j, "rollback": {"to_step": j, "reason": type(error).__name__}}}
+        return (self.trajectory.task if observation is None else observation), 0.0, False, False, info
+
+    def _confirm_alive(self) -> None:
+        """A command killed by a signal (or that could not start: 126) may have died *with* its
+        container: Docker reports the container running until its init has finished exiting,
+        so ask with one more exec (which fails once the init is exiting) before showing the
+        agent that exit code."""
+        probe = self.sandbox.execute("true", timeout=10)
+        if probe["returncode"] != 0:
+            raise SandboxLost(f"sandbox {self.name}: liveness probe exited {probe['returncode']}")
+
+    def _initial_state(self) -> DockerSandbox:
+        """Boundary 0: a fresh container from the episode's image plus the task's setup."""
+        hook = self.checkpointer.phase_hook
+        sandbox = DockerSandbox(self._episode_config, name=self.name, client=self.client)
+        try:
+            if hook:
+                hook("created")
+            for command in self._setup:
+                result = sandbox.execute(command)
+                if result["returncode"] != 0:
+                    raise UsageError(f"task setup failed (exit {result['returncode']}): {command!r}\n{result['output'][-2000:]}")
+            if hook:
+                hook("verified")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                sandbox.close()
+            raise
+        return sandbox
+
+    def _fence(self) -> None:
+        """Kill and remove every container of this episode's sandbox name (the dead one too)."""
+        if self.sandbox is not None:
+            with contextlib.suppress(Exception):
+                self.sandbox.close()
+        if not self.name:
+            return
+        with contextlib.suppress(Exception):
+            for c in self.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.name}"}):
+                if c.get("State") == "paused":  # a capture died while it held the container frozen
+                    with contextlib.suppress(docker.errors.APIError):
+                        self.client.api.unpause(c["Id"])
+                with contextlib.suppress(docker.errors.NotFound):
+                    self.client.api.remove_container(c["Id"], force=True, v=True)
+
+    def _new_name(self) -> str:
+        return f"{self._episode_config.name_prefix}-env-{uuid.uuid4().hex[:12]}"
+
+    def _name_blocked(self) -> bool:
+        try:
+            return bool(self.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.name}"}))
+        except Exception:  # noqa: BLE001 - daemon trouble: the restore attempts will report it
+            return False
+
+    def _record(self, kind: str, at_step: int, error: BaseException | None = None, **extra: Any) -> None:
+        self.trajectory.record(kind, at_step, error, **extra)  # type: ignore[arg-type]
+
+
+def _first_line(output: str) -> str:
+    lines = output.lstrip().splitlines()
+    return lines[0].strip() if lines else ""

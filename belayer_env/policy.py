@@ -1,0 +1,221 @@
+"""When to checkpoint: pure decision logic, fed with real timings by the env.
+
+A checkpoint at boundary k pays off only if a failure is likely enough, and the work it
+would save (regenerating the steps since the last ready checkpoint: LLM generation plus
+execution) large enough, to beat what the agent would *see* of the capture. The capture
+runs while the LLM generates the next action, so the visible cost is only the part of the
+capture that outlives that generation interval. Everything here is learned online from
+the durations the env reports, so the policy needs no tuning per workload.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@runtime_checkable
+class CheckpointPolicy(Protocol):
+    """What the env asks and tells its checkpoint policy (all times in seconds)."""
+
+    def should_checkpoint(self, step: int) -> bool:
+        """Start a capture of boundary ``step`` now (the env just returned step ``step``)?"""
+
+    def late_wait_s(self, elapsed_s: float) -> float:
+        """The next step arrived while a capture runs ``elapsed_s`` already: wait this long
+        at most for the sandbox to thaw (0 = abandon the capture now)."""
+
+    def observe_step(self, exec_s: float, gen_s: float) -> None:
+        """A step was committed: it took ``exec_s`` to run and ``gen_s`` of LLM time before it."""
+
+    def observe_failure(self) -> None:
+        """An infrastructure failure hit a step."""
+
+    def observe_wait(self, wait_s: float) -> None:
+        """A step waited ``wait_s`` for a capture to thaw the sandbox (its visible cost)."""
+
+    def observe_capture(self, total_s: float, frozen_s: float) -> None:
+        """A capture became ready."""
+
+    def observe_capture_failed(self, timed_out: bool) -> None:
+        """A capture failed or was abandoned (``timed_out``: it outlived its budget)."""
+
+    def observe_rollback(self, to_step: int) -> None:
+        """The env rolled back to ``to_step``: regeneration cost restarts from there."""
+
+    def observe_ready(self, step: int) -> None:
+        """The checkpoint of ``step`` is ready: regeneration cost restarts from there."""
+
+
+class NeverPolicy:
+    """No checkpoints: recovery always goes back to the initial state."""
+
+    def should_checkpoint(self, step: int) -> bool:
+        return False
+
+    def late_wait_s(self, elapsed_s: float) -> float:
+        return 0.0
+
+    def observe_step(self, exec_s: float, gen_s: float) -> None: ...
+    def observe_failure(self) -> None: ...
+    def observe_wait(self, wait_s: float) -> None: ...
+    def observe_capture(self, total_s: float, frozen_s: float) -> None: ...
+    def observe_capture_failed(self, timed_out: bool) -> None: ...
+    def observe_rollback(self, to_step: int) -> None: ...
+    def observe_ready(self, step: int) -> None: ...
+
+
+class AlwaysPolicy(NeverPolicy):
+    """Checkpoint every ``every``-th boundary and always wait for it (tests, the harness)."""
+
+    def __init__(self, every: int = 1, wait_s: float = 30.0):
+        self.every, self.wait_s = max(1, every), wait_s
+
+    def should_checkpoint(self, step: int) -> bool:
+        return step > 0 and step % self.every == 0
+
+    def late_wait_s(self, elapsed_s: float) -> float:
+        return max(0.0, self.wait_s - elapsed_s)
+
+
+class AdaptivePolicyConfig(BaseModel):
+    """Priors (used until there is data) and the knobs of the adaptive rule."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    failure_rate: float = Field(0.01, ge=0, le=1)
+    """Prior per-step probability of an infrastructure failure."""
+    prior_steps: float = Field(100.0, gt=0)
+    """Weight of the failure-rate prior, in steps (a Beta prior's pseudo-count)."""
+    capture_s: float = Field(1.0, ge=0)
+    """Prior total capture time, until one has been measured."""
+    generation_s: float = Field(2.0, ge=0)
+    """Prior LLM generation interval, until one has been measured."""
+    smoothing: float = Field(0.3, gt=0, le=1)
+    """Weight of the newest sample in the moving averages of capture and generation time."""
+    on_late: Literal["wait", "abandon", "adaptive"] = "adaptive"
+    """Next step arrived before the sandbox thawed: wait (up to the timeout), abandon, or
+    wait only while the expected saving still exceeds the extra wait."""
+    capture_timeout_s: float = Field(30.0, gt=0)
+    """A capture older than this is abandoned and counted as timed out."""
+    explore: bool = True
+    """Take the first possible checkpoint to measure the capture time (else the prior rules)."""
+    cooldown_s: float = Field(20.0, ge=0)
+    """After a timed-out or failed capture, take no new one for this long."""
+
+
+class AdaptivePolicy:
+    """Checkpoint at k iff p_fail x regen_cost(since last ready) > capture - generation."""
+
+    def __init__(self, config: AdaptivePolicyConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic, **overrides: float | str):
+        base = config or AdaptivePolicyConfig()
+        self.config = base.model_copy(update=overrides) if overrides else base
+        self.clock = clock
+        self.steps = 0
+        self.failures = 0
+        self.capture_s: float | None = None
+        self.generation_s: float | None = None
+        self.wait_s: float | None = None  # measured visible cost of a capture
+        self.cooldown_until = float("-inf")
+        self._cost_by_step: list[float] = []  # regeneration cost of each committed step
+        self._ready_step = 0
+
+    # ------------------------------------------------------------------ estimates
+
+    @property
+    def failure_probability(self) -> float:
+        c = self.config
+        return (self.failures + c.failure_rate * c.prior_steps) / (self.steps + c.prior_steps)
+
+    @property
+    def predicted_capture_s(self) -> float:
+        return self.config.capture_s if self.capture_s is None else self.capture_s
+
+    @property
+    def predicted_generation_s(self) -> float:
+        return self.config.generation_s if self.generation_s is None else self.generation_s
+
+    def regeneration_cost_s(self) -> float:
+        """Seconds of generation + execution a failure now would throw away."""
+        return sum(self._cost_by_step[self._ready_step:])
+
+    def expected_saving_s(self) -> float:
+        return self.failure_probability * self.regeneration_cost_s()
+
+    def visible_cost_s(self) -> float:
+        """Predicted capture time the generation bubble does not hide, or, once measured,
+        what the next step really waited for the sandbox to thaw (whichever is larger)."""
+        predicted = max(0.0, self.predicted_capture_s - self.predicted_generation_s)
+        return predicted if self.wait_s is None else max(predicted, self.wait_s)
+
+    # ------------------------------------------------------------------ decisions
+
+    def should_checkpoint(self, step: int) -> bool:
+        if step <= self._ready_step or self.clock() < self.cooldown_until:
+            return False
+        if self.capture_s is None and self.config.explore:
+            return True  # one capture to measure what a capture costs here; priors only guess
+        return self.expected_saving_s() > self.visible_cost_s()
+
+    def late_wait_s(self, elapsed_s: float) -> float:
+        left = max(0.0, self.config.capture_timeout_s - elapsed_s)
+        if self.config.on_late == "wait":
+            return left
+        if self.config.on_late == "abandon":
+            return 0.0
+        remaining = max(0.0, self.predicted_capture_s - elapsed_s)
+        return min(left, remaining) if self.expected_saving_s() > remaining else 0.0
+
+    # ------------------------------------------------------------------ observations
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.config.smoothing * (new - old)
+
+    def observe_step(self, exec_s: float, gen_s: float) -> None:
+        self.steps += 1
+        self._cost_by_step.append(max(0.0, exec_s) + max(0.0, gen_s))
+        self.generation_s = self._ema(self.generation_s, max(0.0, gen_s))
+
+    def observe_failure(self) -> None:
+        self.steps += 1
+        self.failures += 1
+
+    def observe_wait(self, wait_s: float) -> None:
+        self.wait_s = self._ema(self.wait_s, max(0.0, wait_s))
+
+    def observe_capture(self, total_s: float, frozen_s: float) -> None:
+        self.capture_s = self._ema(self.capture_s, max(0.0, total_s))
+
+    def observe_capture_failed(self, timed_out: bool) -> None:
+        self.cooldown_until = self.clock() + self.config.cooldown_s
+        if timed_out:  # the capture cost at least the whole budget
+            self.capture_s = self._ema(self.predicted_capture_s, self.config.capture_timeout_s)
+
+    def observe_ready(self, step: int) -> None:
+        self._ready_step = max(self._ready_step, min(step, len(self._cost_by_step)))
+
+    def observe_rollback(self, to_step: int) -> None:
+        del self._cost_by_step[to_step:]
+        self._ready_step = min(self._ready_step, to_step)
+
+
+PolicyName = Literal["never", "always", "adaptive"]
+
+
+def make_policy(spec: PolicyName | CheckpointPolicy | None) -> CheckpointPolicy:
+    """A policy from its name (``gymnasium.make(..., checkpoint_policy="adaptive")``) or as is."""
+    if spec is None or spec == "adaptive":
+        return AdaptivePolicy()
+    if spec == "never":
+        return NeverPolicy()
+    if spec == "always":
+        return AlwaysPolicy()
+    if isinstance(spec, str):
+        from belayer.errors import ConfigError
+
+        raise ConfigError(f"checkpoint_policy must be 'never', 'always', 'adaptive' or a policy object, got {spec!r}")
+    return spec

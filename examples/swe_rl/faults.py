@@ -1,0 +1,77 @@
+"""The fault schedule of a training run: real faults on every side, at configurable rates.
+
+- env: the project's ``FaultInjection`` wrapper kills or OOM-kills the episode's container
+  at a random point of a step (per-step probability ``env_rate``);
+- engine: a thread SIGKILLs the serving worker process (found through the supervisor) at
+  exponentially distributed intervals (``worker_rate_per_min``);
+- learner: the orchestrator SIGKILLs the learner process right after it starts saving the
+  checkpoint of each step listed in ``learner_kill_steps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import threading
+import time
+
+from pydantic import BaseModel, Field
+
+
+class FaultConfig(BaseModel):
+    env_rate: float = Field(default=0.05, ge=0, le=1)
+    """Probability that a given env step gets a container fault."""
+    env_kinds: list[str] = Field(default_factory=lambda: ["kill", "oom"])
+    worker_rate_per_min: float = Field(default=2.0, ge=0)
+    """Mean worker SIGKILLs per minute of rollout time."""
+    worker_min_gap_s: float = Field(default=12.0, ge=0)
+    """Kills closer than the supervisor's unhealthy window would (rightly) exclude the device."""
+    learner_kill_steps: list[int] = Field(default_factory=lambda: [3])
+    seed: int = 0
+
+
+def wrap_env(env, config: FaultConfig, seed: int):
+    """The env with real container faults injected (no-op wrapper when ``env_rate`` is 0)."""
+    from wrappers.fault_injection import FaultInjection, FaultInjectionConfig
+
+    return FaultInjection(env, FaultInjectionConfig(probability=config.env_rate, kinds=config.env_kinds,
+                                                    max_delay_s=0.2, seed=seed))
+
+
+class WorkerKiller:
+    """SIGKILLs the engine's serving worker at random times, only while a shadow is armed."""
+
+    def __init__(self, engine, config: FaultConfig):
+        self.engine, self.config = engine, config
+        self.rng = random.Random(config.seed + 7)
+        self.kills: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-killer", daemon=True)
+        self.started = False
+
+    def start(self) -> WorkerKiller:
+        """Idempotent: the schedule starts once (when the first weights are served)."""
+        if not self.started and self.config.worker_rate_per_min > 0:
+            self.started = True
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        floor = self.config.worker_min_gap_s
+        mean = max(60.0 / self.config.worker_rate_per_min - floor, 1.0)
+        while not self._stop.is_set():
+            gap = floor + self.rng.expovariate(1.0 / mean)  # mean gap = 60/rate when that exceeds the floor
+            if self._stop.wait(gap):  # a schedule interval, not a synchronisation
+                return
+            with contextlib.suppress(Exception):
+                slot = self.engine.status()["slots"]["w0"]
+                if slot.get("routed") and slot.get("shadow_ready") and slot.get("worker_pid"):
+                    os.kill(int(slot["worker_pid"]), signal.SIGKILL)
+                    self.kills.append({"wall": time.time(), "pid": int(slot["worker_pid"])})

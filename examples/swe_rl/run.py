@@ -1,0 +1,188 @@
+"""Orchestrator: engine + learner process + fault schedule + live display + summary.
+
+The engine (arena, worker, shadow, router) runs under ``RecoverableEngine``; the learner
+is a separate process (``examples.swe_rl.trainer``) so that a learner fault is a real
+SIGKILL followed by a restart that resumes from its newest complete checkpoint. Worker
+kills come from ``faults.WorkerKiller``; container faults are injected inside the learner's
+envs. Everything the summary reports is read back from the learner's event log and the
+supervisor's event list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from belayer.errors import BelayerError
+from examples.swe_rl.faults import FaultConfig, WorkerKiller
+from examples.swe_rl.summary import summarize
+from examples.swe_rl.trainer import TrainConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class RunConfig(BaseModel):
+    out_dir: str = "belayer-demo"
+    steps: int = Field(default=8, ge=1)
+    n_tasks: int = Field(default=8, ge=2)
+    tasks_per_step: int = Field(default=8, ge=1)
+    group_size: int = Field(default=4, ge=2)
+    parallel: int = Field(default=6, ge=1)
+    sft_steps: int = Field(default=17, ge=0)
+    rl_lr: float = 3e-4
+    seed: int = 0
+    max_learner_restarts: int = 5
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+
+
+class Run:
+    def __init__(self, cfg: RunConfig, display: Callable[[str], None] = print):
+        self.cfg, self.display = cfg, display
+        self.out = Path(cfg.out_dir).resolve()
+        self.events: list[dict] = []
+        self.learner_kills: list[dict] = []
+        self.learner_exits: list[int] = []
+        self._offset = 0
+
+    def _prepare(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name in ("events.jsonl", "expert.json", "learner.log", "summary.json"):
+            (self.out / name).unlink(missing_ok=True)
+        shutil.rmtree(self.out / "learner_ckpt", ignore_errors=True)
+
+    def _spawn(self, config_path: Path) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        with open(self.out / "learner.log", "a") as log:  # the child keeps its own descriptor
+            return subprocess.Popen([sys.executable, "-m", "examples.swe_rl.trainer", str(config_path)],
+                                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def _new_events(self) -> list[dict]:
+        path = self.out / "events.jsonl"
+        if not path.is_file():
+            return []
+        with open(path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._offset += len(complete.encode())
+        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        self.events += new
+        return new
+
+    def execute(self) -> dict:
+        from belayer_engine.launch import RecoverableEngine
+
+        cfg = self.cfg
+        self._prepare()
+        t0 = time.time()
+        self.display(f"starting engine (arena + worker + shadow) ... out: {self.out}")
+        with RecoverableEngine.launch() as engine:
+            engine.wait_ready(stable=True)
+            engine_start_s = time.time() - t0
+            self.display(f"engine ready in {engine_start_s:.1f}s at {engine.base_url}")
+            train = TrainConfig(
+                out_dir=str(self.out), base_url=engine.base_url,
+                arena_socket=str(engine.supervisor.slots[0].socket), steps=cfg.steps, n_tasks=cfg.n_tasks,
+                tasks_per_step=cfg.tasks_per_step, group_size=cfg.group_size, parallel=cfg.parallel,
+                seed=cfg.seed, faults=cfg.faults)
+            train.learner.sft_steps, train.learner.rl_lr, train.learner.seed = cfg.sft_steps, cfg.rl_lr, 0
+            config_path = self.out / "train_config.json"
+            config_path.write_text(train.model_dump_json(indent=1))
+            killer = WorkerKiller(engine, cfg.faults)
+            proc = self._spawn(config_path)
+            try:
+                proc = self._supervise(proc, config_path, killer)
+            finally:
+                killer.stop()
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            with contextlib.suppress(BelayerError):
+                engine.wait_ready(timeout=60)  # a handover still under way gets into the events
+            engine_events = engine.events()
+        summary = summarize(self.events, engine_events, killer.kills, self.learner_kills,
+                            seconds=time.time() - t0, engine_start_s=engine_start_s, parallel=cfg.parallel)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        with contextlib.suppress(Exception):
+            from examples.swe_rl.plot import plot_run
+
+            summary["plot"] = str(plot_run(self.events, engine_events, killer.kills, self.learner_kills,
+                                           summary, self.out / "run.png", t0))
+        return summary
+
+    def _supervise(self, proc: subprocess.Popen, config_path: Path, killer: WorkerKiller) -> subprocess.Popen:
+        killed_at: set[int] = set()
+        done = False
+        while not done:
+            try:
+                code = proc.wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                code = None
+            for ev in self._new_events():
+                self._show(ev, killer)
+                if ev["event"] == "weights":
+                    killer.start()
+                if ev["event"] == "done":
+                    done = True
+                if (ev["event"] == "saving" and ev["step"] in self.cfg.faults.learner_kill_steps
+                        and ev["step"] not in killed_at and proc.poll() is None):
+                    proc.send_signal(signal.SIGKILL)
+                    self.learner_kills.append({"wall": time.time(), "step": ev["step"]})
+                    proc.wait()
+                    self._reap_orphans(proc.pid)
+                    killed_at.add(ev["step"])
+                    self.display(f"  !! learner SIGKILLed at the step-{ev['step']} boundary (checkpoint save "
+                                 "in flight): restarting")
+                    proc = self._spawn(config_path)
+                    code = None
+            if code is not None and not done:
+                self._new_events()
+                if any(e["event"] == "done" for e in self.events):
+                    break
+                self.learner_exits.append(code)
+                if len(self.learner_exits) > self.cfg.max_learner_restarts:
+                    raise BelayerError(f"learner exited {code} too often; see {self.out / 'learner.log'}")
+                self.display(f"  !! learner exited with {code}: restarting (see learner.log)")
+                proc = self._spawn(config_path)
+        return proc
+
+    def _reap_orphans(self, pid: int) -> None:
+        """Remove the containers of the killed learner's in-flight episodes (and only those)."""
+        with contextlib.suppress(Exception):
+            from belayer_env.docker_api import connect
+            from belayer_env.gc import list_managed, reap
+
+            client = connect()
+            reap(client, [c for c in list_managed(client) if c.orphaned and c.owner.endswith(f":{pid}")])
+
+    def _show(self, ev: dict, killer: WorkerKiller) -> None:
+        kind = ev["event"]
+        if kind == "expert":
+            self.display(f"expert trajectories: {ev['episodes']} (played in real sandboxes)")
+        elif kind == "sft" and ev.get("iter", 0) % 20 == 0:
+            self.display(f"  warm start iter {ev['iter']:3d}  loss {ev['loss']:.3f}")
+        elif kind == "sft_done":
+            self.display(f"warm start done in {ev['seconds']}s (loss {ev['loss']})")
+        elif kind == "resumed":
+            self.display(f"  learner resumed from {ev['checkpoint']} (discarded interrupted: {ev['discarded']})")
+        elif kind == "step":
+            reward = "n/a" if ev["reward"] is None else f"{ev['reward']:.2f}"
+            self.display(
+                f"step {ev['step']:2d}/{self.cfg.steps}  reward {reward}  "
+                f"env faults {ev['env_faults']} (recovered {ev['env_recoveries']})  "
+                f"worker kills so far {len(killer.kills)}  labelled {ev['infra_labelled']}  "
+                f"weights v{ev['version']}  {ev['seconds']:.1f}s")
+
+
+def run(cfg: RunConfig, display: Callable[[str], None] = print) -> dict:
+    return Run(cfg, display).execute()

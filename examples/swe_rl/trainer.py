@@ -1,0 +1,153 @@
+"""The learner process: rollouts -> GRPO update -> versioned weight push -> async checkpoint.
+
+Run by the orchestrator as ``python -m examples.swe_rl.trainer CONFIG.json`` so that it can
+be SIGKILLed and restarted for real. On start it resumes from the newest complete
+checkpoint (interrupted saves are removed, never read); otherwise it plays the expert,
+runs the supervised warm start and saves step 0. Progress goes to an append-only JSON-lines
+event log that survives the process.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import torch
+from pydantic import BaseModel, Field
+
+from belayer_engine.arena_client import ArenaClient
+from examples.swe_rl import learner_ckpt
+from examples.swe_rl.agent import AgentConfig, Episode, make_env, run_episode
+from examples.swe_rl.expert import expert_dataset
+from examples.swe_rl.faults import FaultConfig, wrap_env
+from examples.swe_rl.learner import Learner, LearnerConfig
+from examples.swe_rl.tasks import Task, sample_tasks
+
+
+class TrainConfig(BaseModel):
+    out_dir: str
+    base_url: str
+    arena_socket: str
+    steps: int = Field(default=8, ge=1)
+    n_tasks: int = Field(default=8, ge=2)
+    tasks_per_step: int = Field(default=8, ge=1)
+    group_size: int = Field(default=4, ge=2)
+    parallel: int = Field(default=6, ge=1)
+    seed: int = 0
+    threads: int = 2
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+
+
+class EventLog:
+    """Append-only JSON lines, flushed per event (the orchestrator tails it)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, event: dict) -> None:
+        with open(self.path, "a") as f:  # one complete line per write; nothing buffered at a SIGKILL
+            f.write(json.dumps({"wall": time.time(), **event}) + "\n")
+
+
+def rollout_group(cfg: TrainConfig, client: openai.OpenAI, tasks: list[Task], version: int,
+                  step: int) -> tuple[list[list[Episode]], int]:
+    """``group_size`` episodes per task, all from weight ``version``; returns groups, faults fired."""
+    jobs = [(t, i) for t in tasks for i in range(cfg.group_size)]
+
+    def one(job: tuple[Task, int]) -> tuple[Episode, int]:
+        task, i = job
+        seed = cfg.seed * 1_000_003 + step * 1009 + i * 31 + zlib.crc32(task.id.encode())
+        env = wrap_env(make_env(task, cfg.agent), cfg.faults, seed=seed)
+        try:
+            return run_episode(env, client, task, cfg.agent, expect_version=version), len(env.injected)
+        finally:
+            env.close()
+
+    with ThreadPoolExecutor(cfg.parallel) as pool:
+        results = list(pool.map(one, jobs))
+    episodes = [e for e, _ in results]
+    groups = [episodes[k * cfg.group_size:(k + 1) * cfg.group_size] for k in range(len(tasks))]
+    return groups, sum(n for _, n in results)
+
+
+def warm_start(cfg: TrainConfig, learner: Learner, tasks: list[Task], log: EventLog) -> None:
+    cache = Path(cfg.out_dir) / "expert.json"
+    if cache.is_file():
+        episodes = [Episode.model_validate(e) for e in json.loads(cache.read_text())]
+    else:
+        episodes = expert_dataset(tasks)
+        cache.write_text(json.dumps([e.model_dump() for e in episodes]))
+    log({"event": "expert", "episodes": len(episodes)})
+    t0 = time.monotonic()
+    loss = learner.sft(episodes, log=log)
+    log({"event": "sft_done", "loss": round(loss, 4), "seconds": round(time.monotonic() - t0, 1)})
+
+
+def main(config_path: str) -> int:
+    cfg = TrainConfig.model_validate_json(Path(config_path).read_text())
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    log = EventLog(out / "events.jsonl")
+    ckpt_dir = out / "learner_ckpt"
+    discarded = learner_ckpt.clean_incomplete(ckpt_dir)
+    latest = learner_ckpt.latest_complete(ckpt_dir)
+    learner = Learner(cfg.learner)
+    tasks = sample_tasks(cfg.n_tasks, cfg.seed)
+    saver = learner_ckpt.LearnerCheckpointer(learner_ckpt.LearnerCheckpointConfig(directory=str(ckpt_dir)))
+    if latest is not None:
+        learner.restore(learner_ckpt.load(latest))
+        log({"event": "resumed", "step": learner.step, "checkpoint": latest.name, "discarded": discarded})
+    else:
+        log({"event": "learner_start"})
+        warm_start(cfg, learner, tasks, log)
+        saver.save_async(0, learner.snapshot())
+        saver.wait()
+    arena = ArenaClient(cfg.arena_socket)
+    version = arena.update_weights(learner.model.hf_state_dict())
+    log({"event": "weights", "step": learner.step, "version": version})
+    client = openai.OpenAI(base_url=cfg.base_url, api_key="belayer", max_retries=0, timeout=120)
+    for step in range(learner.step + 1, cfg.steps + 1):
+        t0 = time.monotonic()
+        rng = random.Random(cfg.seed * 7919 + step)  # a re-run step after a resume sees the same tasks
+        groups, fired = rollout_group(cfg, client, rng.sample(tasks, cfg.tasks_per_step), version, step)
+        t_roll = time.monotonic() - t0
+        episodes = [e for g in groups for e in g]
+        scored = [e for e in episodes if e.trainable]
+        t1 = time.monotonic()
+        metrics = learner.grpo_step(groups)
+        t2 = time.monotonic()
+        version = arena.update_weights(learner.model.hf_state_dict())
+        t_push = time.monotonic() - t2
+        log({"event": "saving", "step": step})
+        saver.save_async(step, learner.snapshot())  # written while the next step rolls out
+        log({
+            "event": "step", "step": step, "version": version,
+            "reward": round(statistics.fmean(e.reward for e in scored), 4) if scored else None,
+            "episodes": len(episodes), "scored": len(scored),
+            "env_faults": fired, "env_recoveries": sum(e.env_rollbacks for e in episodes),
+            "worker_recoveries_seen": sum(e.worker_recoveries for e in episodes),
+            "infra_labelled": sum(e.infra_touched for e in episodes),
+            "unrecovered": sum(e.failed is not None for e in episodes),
+            "stale": sum(e.stale for e in episodes),
+            "env_lost_s": round(sum(e.lost_s for e in episodes), 3),
+            "env_lost_s_without": round(sum(e.lost_s_without for e in episodes), 3),
+            "mean_episode_s": round(statistics.fmean(e.seconds for e in episodes), 3),
+            "rollout_s": round(t_roll, 2), "learn_s": round(t2 - t1, 2), "push_s": round(t_push, 2), "seconds": round(time.monotonic() - t0, 2), **metrics,
+        })
+    saver.wait()
+    log({"event": "done", "step": learner.step, "version": version,
+         "ckpt_save_s": round(statistics.fmean(saver.save_seconds), 3) if saver.save_seconds else None})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

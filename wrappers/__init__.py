@@ -1,0 +1,29 @@
+"""Wrappers that give an agent loop Belayer's recovery by wrapping (core never imports them).
+
+- ``FaultInjection``: real faults into a RecoverableSandboxEnv (Gymnasium wrapper).
+- ``ChatHistory``: owns the chat message list and cuts it back on rollback.
+- ``RecoverableDockerEnvironment``: drop-in for mini-swe-agent's DockerEnvironment.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "FaultInjection": "wrappers.fault_injection",
+    "FaultInjectionConfig": "wrappers.fault_injection",
+    "ChatHistory": "wrappers.chat_history",
+    "parse_bash_block": "wrappers.chat_history",
+    "RecoverableDockerEnvironment": "wrappers.minisweagent",
+    "RecoverableDockerEnvironmentConfig": "wrappers.minisweagent",
+    "RolledBack": "wrappers.minisweagent",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'wrappers' has no attribute {name!r}")

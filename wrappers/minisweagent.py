@@ -1,0 +1,174 @@
+"""A drop-in for mini-swe-agent's ``DockerEnvironment`` with prefix-consistent recovery.
+
+Same config fields (image, cwd, env, forward_env, timeout, executable, run_args,
+container_timeout, pull_timeout, interpreter) and the same methods (``execute``,
+``get_template_vars``, ``serialize``, ``cleanup``), so an agent switches by config::
+
+    environment:
+      environment_class: wrappers.minisweagent.RecoverableDockerEnvironment
+      image: belayer-base:latest
+
+mini-swe-agent is not imported unless installed (it pulls litellm); the adapter follows
+its documented interface (v2: ``execute(action: dict)`` raising ``Submitted``; v1:
+``execute(command: str)`` returning the output). On a rollback the bound agent's message
+list is cut back to the restored boundary and ``RolledBack`` (an ``InterruptAgentFlow``
+with no messages, when mini-swe-agent is installed) makes its loop query the model again.
+Bind the agent with ``env.bind(agent)`` (or give ``agent=``) after building it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from belayer_env.config import SandboxConfig
+from belayer_env.env import EnvConfig, RecoverableSandboxEnv
+
+try:  # the real base classes when mini-swe-agent is installed, so its agent loop handles them
+    from minisweagent.exceptions import InterruptAgentFlow as _Interrupt
+    from minisweagent.exceptions import Submitted as _Submitted
+except ImportError:  # pragma: no cover - depends on the environment
+    _Interrupt = None
+    _Submitted = None
+
+
+class RolledBack(_Interrupt or Exception):  # type: ignore[misc]
+    """The sandbox was restored to boundary ``to_step``; the agent's context was cut to match."""
+
+    def __init__(self, to_step: int, reason: str):
+        if _Interrupt is not None:
+            super().__init__()
+        else:
+            super().__init__(f"rolled back to step {to_step} ({reason})")
+        self.to_step, self.reason = to_step, reason
+        self.messages = ()
+
+
+class RecoverableDockerEnvironmentConfig(BaseModel):
+    """mini-swe-agent's DockerEnvironmentConfig fields, plus Belayer's own (prefixed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str
+    cwd: str = "/"
+    env: dict[str, str] = Field(default_factory=dict)
+    forward_env: list[str] = Field(default_factory=list)
+    timeout: int = 30
+    executable: str = os.getenv("MSWEA_DOCKER_EXECUTABLE", "docker")
+    """Accepted for compatibility; Belayer talks to the daemon through the docker SDK."""
+    run_args: list[str] = Field(default_factory=lambda: ["--rm"])
+    """Accepted for compatibility; creation settings come from the sandbox config."""
+    container_timeout: str = "2h"
+    pull_timeout: int = 120
+    interpreter: list[str] = Field(default_factory=lambda: ["bash", "-lc"])
+    checkpoint_policy: str = "adaptive"
+    memory: str = "1g"
+    network: bool = False
+
+
+class RecoverableDockerEnvironment:
+    def __init__(self, *, config_class: type = RecoverableDockerEnvironmentConfig,
+                 logger: logging.Logger | None = None, agent: Any = None, **kwargs: Any):
+        self.logger = logger or logging.getLogger("belayer.minisweagent")
+        self.config = config_class(**kwargs)
+        c = self.config
+        env_vars = {k: v for k in c.forward_env if (v := os.getenv(k)) is not None} | c.env
+        sandbox = SandboxConfig(image=c.image, cwd=c.cwd, env=env_vars, timeout=float(c.timeout),
+                                memory=c.memory, network=c.network)
+        self.env = RecoverableSandboxEnv(EnvConfig(sandbox=sandbox), checkpoint_policy=c.checkpoint_policy)
+        self.env.reset()
+        self.agent = agent
+        self._prefix: dict[int, int] = {}  # boundary j -> len(agent.messages) at j
+        self._message_id: int | None = None
+        self._done_in_message = 0
+
+    @property
+    def container_id(self) -> str | None:
+        return self.env.sandbox.container_id if self.env.sandbox else None
+
+    def bind(self, agent: Any) -> None:
+        """Give the adapter the agent whose ``messages`` it rolls back."""
+        self.agent = agent
+
+    # ------------------------------------------------------------------ mini-swe-agent API
+
+    def execute(self, action: dict | str, cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
+        command = action.get("command", "") if isinstance(action, dict) else action
+        command = self._wrap(command)
+        last_of_message = self._track_message()
+        obs, _r, terminated, _t, info = self.env.step_command(command, cwd=cwd, timeout=timeout,
+                                                              checkpoint=last_of_message)
+        rollback = info["belayer"].get("rollback")
+        if rollback is not None:
+            self._roll_back(rollback["to_step"])
+            raise RolledBack(rollback["to_step"], rollback["reason"])
+        output = {"output": self.env.last_result["output"], "returncode": info["returncode"],
+                  "exception_info": ""}
+        if terminated and _Submitted is not None and isinstance(action, dict):
+            submission = info.get("submission", "")
+            raise _Submitted({"role": "exit", "content": submission,
+                              "extra": {"exit_status": "Submitted", "submission": submission}})
+        return output
+
+    def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
+        return self.config.model_dump() | platform.uname()._asdict() | kwargs
+
+    def serialize(self) -> dict:
+        trajectory = self.env.trajectory
+        return {"info": {"config": {
+            "environment": self.config.model_dump(mode="json"),
+            "environment_type": f"{self.__class__.__module__}.{self.__class__.__name__}"},
+            "belayer": {"recovered": trajectory.recovered,
+                        "events": [e.model_dump(mode="json") for e in trajectory.events]}}}
+
+    def cleanup(self) -> None:
+        self.env.close()
+
+    close = cleanup
+
+    def __del__(self) -> None:
+        env = getattr(self, "env", None)
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    # ------------------------------------------------------------------ prefix bookkeeping
+
+    def _wrap(self, command: str) -> str:
+        if self.config.interpreter[:2] == ["bash", "-lc"]:
+            return command
+        import shlex
+
+        return shlex.join([*self.config.interpreter, command])
+
+    def _track_message(self) -> bool:
+        """Record boundary -> message count; True when this is the message's last action."""
+        messages = getattr(self.agent, "messages", None)
+        if not messages:
+            return True
+        message = messages[-1]
+        if id(message) != self._message_id:
+            self._message_id, self._done_in_message = id(message), 0
+            self._prefix[len(self.env.trajectory.steps)] = len(messages) - 1
+        self._done_in_message += 1
+        actions = (message.get("extra") or {}).get("actions") or [None]
+        return self._done_in_message >= len(actions)
+
+    def _roll_back(self, j: int) -> None:
+        messages = getattr(self.agent, "messages", None)
+        self._message_id = None
+        if messages is None:
+            return
+        cut = self._prefix.get(j)
+        if cut is None:  # only message ends are checkpointed, so this is boundary 0's fallback
+            cut = self._prefix.get(0, len(messages))
+        del messages[cut:]
+        for b in [b for b in self._prefix if b > j]:
+            del self._prefix[b]
+
