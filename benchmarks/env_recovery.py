@@ -106,7 +106,7 @@ def measure(args: argparse.Namespace) -> dict:
               f"fail@{fail_at}: never +{faulty[-2]['total_s'] - free[-2]['total_s']:.1f}s "
               f"adaptive +{faulty[-1]['total_s'] - free[-1]['total_s']:.1f}s (lost {faulty[-1]['lost_steps']})",
               flush=True)
-    return {"fault_free": free, "faulty": faulty}
+    return {"steps": args.steps, "fault_free": free, "faulty": faulty}
 
 
 def summarize(m: dict) -> dict:
@@ -127,6 +127,7 @@ def summarize(m: dict) -> dict:
         "lost_steps_mean": {p: statistics.fmean(per(p, m["faulty"], "lost_steps")) for p in ("never", "adaptive")},
         "checkpoints_per_traj": statistics.fmean(per("adaptive", m["fault_free"], "checkpoints")),
         "exec_s_mean": statistics.fmean(per("never", m["fault_free"], "exec_s_mean")),
+        "measured_steps": m["steps"],
     }
 
 
@@ -139,7 +140,7 @@ def model(s: dict, *, steps: int, p_fail: float, n: int, seed: int) -> dict:
     charged on every trajectory. Failures during regeneration are drawn too.
     """
     rng = np.random.default_rng(seed)
-    interval = max(1.0, steps / max(s["checkpoints_per_traj"], 1e-9))
+    interval = max(1.0, s["measured_steps"] / max(s["checkpoints_per_traj"], 1e-9))  # measured density
     totals = {"fault_free": [], "no_recovery": [], "belayer": []}
     recov = {"no_recovery": [], "belayer": []}
     for _ in range(n):
@@ -150,12 +151,13 @@ def model(s: dict, *, steps: int, p_fail: float, n: int, seed: int) -> dict:
             t, k, ckpt = 0.0, 0, 0
             while k < steps:
                 if rng.random() < p_fail:
-                    t += step_s[k] * rng.random()  # the failed step's partial work
+                    partial = step_s[k] * rng.random()  # the failed step's work, lost
+                    t += partial
                     if name == "no_recovery":
-                        cost = s["restart_latency_s"] + float(step_s[:k].sum())
+                        cost = partial + s["restart_latency_s"] + float(step_s[:k].sum())
                         k = 0
                     else:
-                        cost = s["restore_latency_s"] + float(step_s[ckpt:k].sum())
+                        cost = partial + s["restore_latency_s"] + float(step_s[ckpt:k].sum())
                         k = ckpt
                     recov[name].append(cost)
                     t += s["restart_latency_s"] if name == "no_recovery" else s["restore_latency_s"]
