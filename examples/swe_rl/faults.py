@@ -28,6 +28,8 @@ class FaultConfig(BaseModel):
     """Mean worker SIGKILLs per minute of rollout time."""
     worker_min_gap_s: float = Field(default=12.0, ge=0)
     """Kills closer than the supervisor's unhealthy window would (rightly) exclude the device."""
+    worker_first_kill_s: float | None = Field(default=None, ge=0)
+    """Fixed delay of the first kill (a short run then surely sees one); None = random."""
     learner_kill_steps: list[int] = Field(default_factory=lambda: [3])
     seed: int = 0
 
@@ -66,12 +68,20 @@ class WorkerKiller:
     def _run(self) -> None:
         floor = self.config.worker_min_gap_s
         mean = max(60.0 / self.config.worker_rate_per_min - floor, 1.0)
+        gap = self.config.worker_first_kill_s
         while not self._stop.is_set():
-            gap = floor + self.rng.expovariate(1.0 / mean)  # mean gap = 60/rate when that exceeds the floor
+            if gap is None:
+                gap = floor + self.rng.expovariate(1.0 / mean)  # mean gap = 60/rate when that exceeds the floor
             if self._stop.wait(gap):  # a schedule interval, not a synchronisation
                 return
-            with contextlib.suppress(Exception):
-                slot = self.engine.status()["slots"]["w0"]
-                if slot.get("routed") and slot.get("shadow_ready") and slot.get("worker_pid"):
-                    os.kill(int(slot["worker_pid"]), signal.SIGKILL)
-                    self.kills.append({"wall": time.time(), "pid": int(slot["worker_pid"])})
+            # kill only a serving worker with an armed shadow; otherwise try again shortly
+            gap = None if self._kill_serving_worker() else 0.2
+
+    def _kill_serving_worker(self) -> bool:
+        with contextlib.suppress(Exception):
+            slot = self.engine.status()["slots"]["w0"]
+            if slot.get("routed") and slot.get("shadow_ready") and slot.get("worker_pid"):
+                os.kill(int(slot["worker_pid"]), signal.SIGKILL)
+                self.kills.append({"wall": time.time(), "pid": int(slot["worker_pid"])})
+                return True
+        return False
