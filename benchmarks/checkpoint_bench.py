@@ -159,13 +159,10 @@ def summarize(samples: list[float]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
+    from _plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     metrics = ["frozen_s", "total_s", "restore_s"]
     fig, axes = plt.subplots(1, len(result["scenarios"]), figsize=(11, 4), squeeze=False)

@@ -270,13 +270,10 @@ def start_arena(model_dir: str, device: str, sock: str, num_blocks: int, block_s
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
+    from _plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     names = ["cold start", "attach (fresh process)", "shadow handover"]

@@ -197,11 +197,11 @@ def _stats(xs: list[float]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from _plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     labels = ["cold restart", "shadow handover"]
     means = [result["summary"][k]["kill_to_first_token_s"]["mean"] for k in ("cold", "shadow")]

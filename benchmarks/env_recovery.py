@@ -181,13 +181,10 @@ def model(s: dict, *, steps: int, p_fail: float, n: int, seed: int) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
+    from _plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     s, mo = result["measured_summary"], result["modelled"]
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
