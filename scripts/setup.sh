@@ -78,6 +78,16 @@ PYEOF
     pkill -x dockerd || true
     for _ in $(seq 60); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
   fi
+  # a dockerd killed with a previous session may still be dying, or have left its pid file
+  if pgrep -x dockerd >/dev/null; then
+    info "a dockerd process runs but does not answer: stopping it"
+    pkill -x dockerd || true
+    for _ in $(seq 40); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
+    pkill -9 -x dockerd 2>/dev/null || true
+    for _ in $(seq 40); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
+  fi
+  pgrep -x dockerd >/dev/null && die "an old dockerd does not exit; stop it and re-run"
+  rm -f /var/run/docker.pid
   info "starting dockerd (log: $LOG_DIR/dockerd.log)"
   setsid nohup dockerd >"$LOG_DIR/dockerd.log" 2>&1 </dev/null &
   for _ in $(seq 120); do docker_ok && break; sleep 0.5; done
