@@ -200,7 +200,8 @@ class DockerSandbox:
                 break
             info = api.exec_inspect(exec_id)
             if not info.get("Running"):
-                # the command exited but something it left in the background holds the stream
+                # safety net: the wrapper exited but something still holds the exec's pipe (the
+                # wrapper keeps background jobs off it, so this needs a command that reopens it)
                 exited_at = exited_at or now
                 if now - exited_at >= TRAILING_OUTPUT_S:
                     break
@@ -239,7 +240,7 @@ class DockerSandbox:
     def is_alive(self) -> bool:
         try:
             self._check_alive("health check")
-        except (SandboxLost, Exception):
+        except Exception:
             return False
         return True
 
