@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from belayer.errors import CheckpointFailed, InfraError, RestoreFailed
+from belayer.errors import CheckpointFailed, InfraError, RestoreFailed, SandboxLost
 from belayer_env.policy import CheckpointPolicy
 from belayer_env.sandbox import DockerSandbox
 
 CANCEL_THAW_S = 10.0
+LIVENESS_EVERY_S = 0.5
 PhaseHook = Callable[[str], None]
 Recorder = Callable[..., Any]  # Trajectory.record
 
@@ -47,6 +48,7 @@ class Checkpointer:
         self.store = self.api.CheckpointStore(self.directory, keep=None) if self.api else None
         self.ready: list[Any] = []  # Checkpoint objects of the current branch, oldest first
         self._pending: Any | None = None
+        self._pending_sandbox: DockerSandbox | None = None
         self._pending_step = 0
         self._pending_started = 0.0
         self._waited_for = False  # the step after the capture has waited for its thaw
@@ -65,6 +67,7 @@ class Checkpointer:
         self._pending = self.api.start_checkpoint(sandbox, self.store, step, runtime=self.runtime,
                                                   phase_hook=self.phase_hook)
         self._pending_step, self._pending_started = step, time.monotonic()
+        self._pending_sandbox = sandbox
         self._waited_for = False
         return True
 
@@ -80,8 +83,10 @@ class Checkpointer:
         if not self._waited_for:
             self._waited_for = True
             t0 = time.monotonic()
-            if not pending.thawed.is_set():
-                pending.thawed.wait(self.policy.late_wait_s(t0 - self._pending_started))
+            if not pending.thawed.is_set() and not self._wait_thaw(pending, self.policy.late_wait_s(t0 - self._pending_started)):
+                self.abort_inflight(step)  # the sandbox died under the capture: nothing to wait for
+                self.policy.observe_wait(time.monotonic() - t0)
+                return
             if not pending.thawed.is_set() and not pending.done():
                 pending.cancel()
                 pending.thawed.wait(CANCEL_THAW_S)  # abandoning thaws; a sandbox still frozen fails the step
@@ -94,6 +99,17 @@ class Checkpointer:
                 return
             self.policy.observe_wait(time.monotonic() - t0)
         self.poll(step)
+
+    def _wait_thaw(self, pending: Any, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the thaw; False as soon as the frozen sandbox is seen dead
+        (a container killed mid-dump never thaws: CRIU and its init wait for each other)."""
+        deadline = time.monotonic() + wait_s
+        while not pending.thawed.wait(min(LIVENESS_EVERY_S, max(0.0, deadline - time.monotonic()))):
+            if self._pending_sandbox is not None and _lost(self._pending_sandbox):
+                return False
+            if time.monotonic() >= deadline:
+                break
+        return True
 
     def poll(self, step: int, wait_s: float = 0.0) -> None:
         """Collect a finished capture (ready or failed); ``wait_s`` bounds the wait for it."""
@@ -186,15 +202,36 @@ class Checkpointer:
                 self._remove(c)
         self.ready = keep
 
+    def before_fence(self, step: int) -> None:
+        """The sandbox is about to be fenced after a failure at step ``step + 1``.
+
+        A capture past its thaw holds boundary ``step``'s state already: it is left to
+        finish (``restore`` waits for it). One still frozen is dumping a sandbox that is
+        gone: it is aborted, CRIU included, before the fence starts.
+        """
+        self.poll(step)
+        if self._pending is not None and not self._pending.thawed.is_set():
+            self.abort_inflight(step)
+
+    def abort_inflight(self, step: int | None = None) -> None:
+        """Stop the capture in flight, CRIU included, and wait (bounded) for its thread.
+
+        Afterwards nothing pauses or dumps a container of this name any more; a CRIU dump
+        of a container that died under it would otherwise keep that container unremovable.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        with contextlib.suppress(Exception):
+            pending.abort()
+            pending.wait(timeout=CANCEL_THAW_S)
+        if step is not None:
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_abandoned", at_step=step)
+
     def reset(self) -> None:
-        """New episode: cancel the capture in flight and forget every checkpoint."""
-        if self._pending is not None:
-            with contextlib.suppress(Exception):
-                self._pending.cancel()
-                # let the capture thread end first: once the sandbox is fenced, nothing may
-                # pause or dump a container of this name any more
-                self._pending.wait(timeout=CANCEL_THAW_S)
-            self._pending = None
+        """New episode: abort the capture in flight and forget every checkpoint."""
+        self.abort_inflight()
         for c in self.ready:
             self._remove(c)
         self.ready = []
@@ -203,6 +240,17 @@ class Checkpointer:
         self.reset()
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _lost(sandbox: DockerSandbox) -> bool:
+    """Known dead (not merely unreachable: aborting a dump can damage a live sandbox)."""
+    try:
+        sandbox.check_alive("liveness during a capture")
+    except SandboxLost:
+        return True
+    except Exception:  # noqa: BLE001 - daemon trouble: not proof of death
+        return False
+    return False
 
 
 def _transient(error: RestoreFailed) -> bool:

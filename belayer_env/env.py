@@ -185,6 +185,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
     def _recover(self, error: InfraError, k: int) -> tuple[str, float, bool, bool, dict]:
         """Fence, restore boundary j <= k, roll the trajectory back; never retry the action."""
         self.policy.observe_failure()
+        self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
         self._fence()
         if self._name_blocked():
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):

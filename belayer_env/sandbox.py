@@ -172,7 +172,7 @@ class DockerSandbox:
             exit_code = self._wait(api, exec_id, reader, start + limit + KILL_GRACE_S + TRANSPORT_GRACE_S)
         elapsed = time.monotonic() - start
         timed_out = exit_code in (124, 137) and elapsed >= limit
-        self._check_alive(what)
+        self.check_alive(what)
         if exit_code is None:
             raise SandboxLost(f"{what}: the exec transport broke (no exit code after {elapsed:.1f} s)")
         reader.apply_meta()
@@ -219,7 +219,7 @@ class DockerSandbox:
 
     # ------------------------------------------------------------------ health
 
-    def _check_alive(self, what: str) -> None:
+    def check_alive(self, what: str) -> None:
         """Raise ``SandboxLost`` unless the container and its init process are alive.
 
         Docker updates a container's state a little after its init dies, so a command
@@ -239,7 +239,7 @@ class DockerSandbox:
 
     def is_alive(self) -> bool:
         try:
-            self._check_alive("health check")
+            self.check_alive("health check")
         except Exception:
             return False
         return True
@@ -302,7 +302,7 @@ class DockerSandbox:
 
 
 def _process_alive(pid: int) -> bool:
-    """True unless ``pid`` (a host pid) is gone or a zombie; unknowable (remote daemon) = True."""
+    """True unless ``pid`` (a host pid) is gone, exiting or a zombie; unknowable (remote daemon) = True."""
     if not pid:
         return False
     if not os.path.isdir("/proc/1"):
@@ -314,7 +314,12 @@ def _process_alive(pid: int) -> bool:
         return False
     except OSError:
         return True
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session tty tpgid flags ...
+    return fields[0] not in "ZX" and not int(fields[6]) & _PF_EXITING
+
+
+_PF_EXITING = 0x4
+"""A task in do_exit: e.g. an init killed while frozen, still waiting for its namespace."""
 
 
 class _StreamReader:

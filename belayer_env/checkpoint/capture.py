@@ -37,7 +37,7 @@ def new_id(sandbox: str, step: int) -> str:
 
 
 def full_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime: bool = True,
-                    phase_hook: PhaseHook | None = None, _thawed: Any = None) -> Checkpoint:
+                    phase_hook: PhaseHook | None = None, _thawed: Any = None, _abort: Any = None) -> Checkpoint:
     """Checkpoint ``sandbox`` at action boundary ``step``; block until published.
 
     Raises ``CheckpointFailed`` (nothing published, older checkpoints intact). The sandbox
@@ -58,7 +58,7 @@ def full_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime:
             info = _inspect(sandbox)
             upper = layer.upper_dir(info)
             phase = "freeze"
-            frozen_s = _frozen_part(sandbox, info, upper, scratch, runtime, hook)
+            frozen_s = _frozen_part(sandbox, info, upper, scratch, runtime, hook, _abort)
             phase = "thawed"
             if _thawed is not None:
                 _thawed.set()
@@ -117,7 +117,7 @@ def _inspect(sandbox: Any) -> dict[str, Any]:
 
 
 def _frozen_part(sandbox: Any, info: dict[str, Any], upper: Path, scratch: Path, with_runtime: bool,
-                 hook: PhaseHook) -> float:
+                 hook: PhaseHook, abort: Any = None) -> float:
     """Pause, dump + tar the layer side by side, unpause; return the seconds spent frozen."""
     api, cid = sandbox.client.api, sandbox.container_id
     with translate_errors(f"pause sandbox {sandbox.name}"):
@@ -129,7 +129,8 @@ def _frozen_part(sandbox: Any, info: dict[str, Any], upper: Path, scratch: Path,
         hook("frozen")
         tar = layer.Capture(upper, scratch / "layer.tar")
         if with_runtime:
-            runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network)
+            runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network,
+                         abort=abort)
             hook("runtime_dumped")
         try:
             tar.wait()

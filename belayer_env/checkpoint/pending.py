@@ -4,6 +4,8 @@ The env takes checkpoints inside the LLM's generation bubble: it waits for ``.th
 (the sandbox runs again) and lets hashing, writing and publishing overlap the model's
 thinking. ``cancel()`` abandons it: the sandbox is thawed if frozen and nothing is
 published (a checkpoint that made it to the store before the cancel is removed again).
+``abort()`` is cancel for a sandbox about to be fenced: it also kills a CRIU dump in
+progress, which a dead container can otherwise hold forever (see ``runtime.dump``).
 With ``prestage=True`` (the default) the same thread then pre-stages the published
 checkpoint on Docker's disk (``prestaging``) so a restore skips the unpack; ``wait()`` and
 ``done()`` do not wait for that, ``.prestaged`` is set when it ends (staged or not).
@@ -36,6 +38,7 @@ class PendingCheckpoint:
         self._finished = threading.Event()
         self._prestage = prestage
         self._cancel = threading.Event()
+        self._abort = threading.Event()
         self._store = store
         self._user_hook = phase_hook
         self._result: Checkpoint | None = None
@@ -53,7 +56,7 @@ class PendingCheckpoint:
     def _run(self, sandbox: Any, step: int, runtime: bool) -> None:
         try:
             ck = full_checkpoint(sandbox, self._store, step, runtime=runtime,
-                                 phase_hook=self._hook, _thawed=self.thawed)
+                                 phase_hook=self._hook, _thawed=self.thawed, _abort=self._abort)
             if self._cancel.is_set():
                 self._store.remove(ck.id)
             else:
@@ -88,6 +91,12 @@ class PendingCheckpoint:
     def cancel(self) -> None:
         """Abandon: publish nothing. Returns at once; ``wait()`` then returns None."""
         self._cancel.set()
+
+    def abort(self) -> None:
+        """Cancel and kill a CRIU dump in progress (only for a sandbox about to be fenced:
+        the dumped processes may be left half-dumped). Returns at once."""
+        self._cancel.set()
+        self._abort.set()
 
     def done(self) -> bool:
         return self._finished.is_set()

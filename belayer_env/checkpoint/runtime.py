@@ -15,9 +15,13 @@ container: copy the (verified) images into the new container's checkpoint direct
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,9 @@ from belayer_env.checkpoint.manifest import check_file, copy_hashed
 RUNC_ROOT = os.environ.get("BELAYER_RUNC_ROOT", "/run/docker/runtime-runc/moby")
 RUNC = os.environ.get("BELAYER_RUNC", "runc")
 CRIU_OPTS = ["--leave-running", "--tcp-established", "--file-locks"]
-DUMP_TIMEOUT_S = 120.0
+DUMP_TIMEOUT_S = float(os.environ.get("BELAYER_CRIU_TIMEOUT_S", "60"))
+"""A dump still running after this is killed (runc, CRIU and CRIU's helpers) and fails."""
+_POLL_S = 0.02
 
 
 class CriuError(Exception):
@@ -44,12 +50,21 @@ def available(container_id: str | None = None) -> str | None:
     return None
 
 
-def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True) -> None:
+def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
+         abort: threading.Event | None = None, timeout_s: float | None = None) -> None:
     """CRIU-dump the (paused) container's process tree into ``images``; it keeps running.
 
     ``isolated`` (no network): nothing outside can talk to the frozen sockets, so CRIU's
     network lock (iptables/nft in the container's netns, ~60 ms around the dump) is
     skipped via an extra CRIU config file; runc's /etc/criu/runc.conf still applies.
+
+    runc and CRIU run in a session of their own. When ``abort`` is set, or the dump runs
+    past ``timeout_s`` (default ``DUMP_TIMEOUT_S``), that whole session is SIGKILLed: a
+    container killed mid-dump otherwise deadlocks with CRIU (its init waits in
+    zap_pid_ns_processes for children that CRIU holds ptrace-stopped, while CRIU waits
+    for the init), and the container can then be neither removed nor restored. Killing
+    CRIU may leave the container's processes half-dumped: abort only a sandbox that is
+    about to be fenced anyway.
     """
     images.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
@@ -60,13 +75,56 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True) 
         env["CRIU_CONFIG_FILE"] = str(conf)
     argv = [RUNC, "--root", RUNC_ROOT, "checkpoint", *CRIU_OPTS,
             "--image-path", str(images), "--work-path", str(work), container_id]
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=DUMP_TIMEOUT_S, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise CriuError(f"runc checkpoint timed out after {DUMP_TIMEOUT_S:g} s") from e
-    if r.returncode != 0:
-        raise CriuError(f"runc checkpoint failed ({r.returncode}): {r.stderr.strip()[-300:]}"
-                            f"{_log_tail(work / 'dump.log')}")
+    timeout_s = DUMP_TIMEOUT_S if timeout_s is None else timeout_s
+    with open(work / "runc.err", "w+") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        stop = None
+        while stop is None:
+            try:
+                proc.wait(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if abort is not None and abort.is_set():
+                    stop = "aborted"
+                elif time.monotonic() >= deadline:
+                    stop = f"timed out after {timeout_s:g} s"
+        if stop is not None:
+            kill_session(proc.pid)
+            proc.wait()
+            raise CriuError(f"runc checkpoint {stop}; runc and CRIU were killed{_log_tail(work / 'dump.log')}")
+        err.seek(0)
+        stderr = err.read()
+    if proc.returncode != 0:
+        raise CriuError(f"runc checkpoint failed ({proc.returncode}): {stderr.strip()[-300:]}"
+                        f"{_log_tail(work / 'dump.log')}")
+
+
+def kill_session(sid: int) -> list[int]:
+    """SIGKILL every process of session ``sid`` (runc is its leader; CRIU and its helpers
+    inherit it). Returns the pids signalled."""
+    killed = []
+    for pid in session_members(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
+
+
+def session_members(sid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after ")": state ppid pgrp session
+            members.append(int(entry))
+    return members
 
 
 def _log_tail(log: Path, lines: int = 8) -> str:

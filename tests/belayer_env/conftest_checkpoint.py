@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import wait_until
@@ -61,6 +65,11 @@ while True:
     os.replace(sys.argv[1] + ".new", sys.argv[1])  # readers never see a half-written file
     time.sleep(0.01)
 '''
+
+# 300 MiB of touched memory: a dump lasts long enough to be caught mid-way
+BIG_PROCESS = ("setsid python3 -c 'import time; b = bytearray(300 << 20); b[::4096] = b\"x\" * len(b[::4096]); "
+               "open(\"/tmp/big.ready\", \"w\").close(); time.sleep(1e6)' >/dev/null 2>&1 </dev/null &"
+               " while [ ! -e /tmp/big.ready ]; do sleep 0.05; done")
 
 GET = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:{port}/', timeout=5).read().decode())\""
 TRY_LOCK = ("python3 -c \"import fcntl,sys; f=open('{path}','a');\n"
@@ -125,3 +134,37 @@ def make_sandbox(docker_client):
     yield make
     for name in names:
         fence(docker_client, name, background=False)
+
+
+def signal_criu_of(container_id: str, sig: int, stop: threading.Event, hit: list[int]) -> None:
+    """Poll /proc for the criu child of `runc checkpoint ... <container_id>` and send it ``sig``
+    (a real fault in the middle of a real dump); its pid goes to ``hit``."""
+    while not stop.is_set() and not hit:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() != "criu":
+                    continue
+                ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+            except (OSError, IndexError):
+                continue
+            if b"checkpoint" in parent and container_id.encode() in parent:
+                os.kill(int(pid), sig)
+                hit.append(int(pid))
+                return
+
+
+def criu_signaller(container_id: str, sig: int, hit: list[int], stop: threading.Event, then=None):
+    """A phase hook: when the capture freezes, start ``signal_criu_of`` (then call ``then()``)."""
+
+    def watch() -> None:
+        signal_criu_of(container_id, sig, stop, hit)
+        if hit and then is not None:
+            then()
+
+    def hook(phase: str) -> None:
+        if phase == "frozen" and not stop.is_set():
+            threading.Thread(target=watch, daemon=True).start()
+
+    return hook
+

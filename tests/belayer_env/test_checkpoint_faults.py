@@ -6,19 +6,22 @@ middle of its dump, and a full disk (a small tmpfs store).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from belayer.errors import CheckpointFailed
-from belayer_env.checkpoint import CheckpointStore, full_checkpoint, full_restore
-from tests.belayer_env.conftest_checkpoint import log_state, start_counter
-from tests.conftest import wait_until
+from belayer_env.checkpoint import CheckpointStore, full_checkpoint, full_restore, runtime
+from tests.belayer_env.conftest_checkpoint import (
+    BIG_PROCESS,
+    criu_signaller,
+    log_state,
+    start_counter,
+)
+from tests.conftest import process_alive, wait_until
 
 KILL_AT = """
 import os, signal, sys
@@ -61,47 +64,38 @@ def test_sigkill_of_checkpointer_publishes_nothing(phase, make_sandbox, ck_store
     _restores_first(first, docker_client, "first\n")
 
 
-def _kill_criu_of(container_id: str, stop: threading.Event, killed: list[int]) -> None:
-    """Poll /proc for the criu child of `runc checkpoint ... <container_id>`; SIGKILL it."""
-    while not stop.is_set() and not killed:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                if comm != "criu":
-                    continue
-                ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError):
-                continue
-            if b"checkpoint" in parent and container_id.encode() in parent:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-                return
-
-
-def test_sigkill_of_criu_publishes_nothing(make_sandbox, ck_store, docker_client):
-    sb = make_sandbox()
+def _dump_caught_mid_way(sb, ck_store, sig: int) -> tuple:
+    """Checkpoint 1, start a big process, then checkpoint 2 with ``sig`` sent to CRIU mid-dump."""
     start_counter(sb)
     sb.execute("echo first > /root/state")
     first = full_checkpoint(sb, ck_store, 1)
-    # 300 MiB of touched memory: the dump lasts long enough to be caught mid-way
-    sb.execute("setsid python3 -c 'import time; b = bytearray(300 << 20); b[::4096] = b\"x\" * len(b[::4096]); open(\"/tmp/big.ready\", \"w\").close(); "
-               "time.sleep(1e6)' >/dev/null 2>&1 </dev/null &")
-    wait_until(lambda: sb.execute("test -e /tmp/big.ready")["returncode"] == 0, 30, "300 MiB process ready")
-    stop, killed = threading.Event(), []
-
-    def hook(phase: str) -> None:
-        if phase == "frozen":
-            threading.Thread(target=_kill_criu_of, args=(sb.container_id, stop, killed), daemon=True).start()
-
+    sb.execute(BIG_PROCESS)
+    stop, hit = threading.Event(), []
     try:
-        with pytest.raises(CheckpointFailed):
-            full_checkpoint(sb, ck_store, 2, phase_hook=hook)
+        with pytest.raises(CheckpointFailed) as failed:
+            full_checkpoint(sb, ck_store, 2, phase_hook=criu_signaller(sb.container_id, sig, hit, stop))
     finally:
         stop.set()
-    assert killed, "criu was never seen running (dump too fast to interrupt?)"
+    assert hit, "criu was never seen running (dump too fast to interrupt?)"
     assert [c.id for c in ck_store.list()] == [first.id]
     assert not list((ck_store.path / ".staging").iterdir())
+    return first, hit[0], failed.value
+
+
+def test_sigkill_of_criu_publishes_nothing(make_sandbox, ck_store, docker_client):
+    first, _pid, _err = _dump_caught_mid_way(make_sandbox(), ck_store, signal.SIGKILL)
+    _restores_first(first, docker_client, "first\n")
+
+
+def test_hung_criu_dump_is_killed_at_its_timeout(make_sandbox, ck_store, docker_client, monkeypatch):
+    """A CRIU that never returns (SIGSTOPped mid-dump) is killed with runc at the dump timeout:
+    the checkpoint fails naming it, no dump process is left, older checkpoints restore."""
+    monkeypatch.setattr(runtime, "DUMP_TIMEOUT_S", 3.0)
+    sb = make_sandbox()
+    first, criu_pid, err = _dump_caught_mid_way(sb, ck_store, signal.SIGSTOP)
+    assert "timed out after 3 s" in str(err) and "killed" in str(err), err
+    wait_until(lambda: not process_alive(criu_pid), 30, f"stopped criu {criu_pid} killed and reaped")
+    sb.close()  # the container is not held by a dump any more: it can be removed
     _restores_first(first, docker_client, "first\n")
 
 

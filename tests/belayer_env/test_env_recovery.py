@@ -7,8 +7,9 @@ import os
 from belayer_env.faults import TransportBreaker, kill_container, kill_processes, oom_container
 from belayer_env.inspect import tree_hash
 from belayer_env.policy import AlwaysPolicy
+from tests.belayer_env.conftest_checkpoint import BIG_PROCESS, criu_signaller
 from tests.belayer_env.conftest_env import assert_no_infra_text
-from tests.conftest import wait_until
+from tests.conftest import process_alive, wait_until
 
 COUNTER_PY = """
 import signal, time
@@ -151,3 +152,33 @@ def test_capture_runs_in_the_background(make_env):
     assert pending is not None and not pending.done(), "step() waited for the capture"
     env.settle()
     assert env.checkpointer.ready and env.checkpointer.ready[-1].step == 1
+
+
+def test_container_killed_mid_dump_is_fenced_and_restored(make_env, docker_client):
+    """The container dies while CRIU dumps it (CRIU held stopped, as a hung dump): the env
+    kills the dump, fences the container under its own name and restores boundary 1."""
+    import signal
+    import threading
+
+    env = make_env(checkpoint_policy="always")
+    env.reset()
+    name = env.name
+    env.step("echo a >> /log")
+    env.settle()
+    assert [c.step for c in env.checkpointer.ready] == [1]
+    stop, hit = threading.Event(), []
+    sandbox = env.sandbox
+    env.checkpointer.phase_hook = criu_signaller(
+        sandbox.container_id, signal.SIGSTOP, hit, stop, then=lambda: kill_container(docker_client, sandbox.container_id))
+    try:
+        env.step("echo b >> /log; " + BIG_PROCESS)  # its capture is the one caught mid-dump
+        wait_until(lambda: hit, 30, "criu caught mid-dump of boundary 2")
+        obs, _r, _te, _tr, info = env.step("echo c >> /log")
+    finally:
+        stop.set()
+    assert info["belayer"]["rollback"] == {"to_step": 1, "reason": "SandboxLost"}, info
+    assert_no_infra_text(obs)
+    assert env.name == name, "restored under a fresh name: the old container could not be fenced"
+    wait_until(lambda: not process_alive(hit[0]), 30, f"the stopped criu {hit[0]} killed and reaped")
+    assert env.step("cat /log")[0].endswith("<output>\na\n</output>")
+    assert "checkpoint_abandoned" in [e.kind for e in env.trajectory.events]
