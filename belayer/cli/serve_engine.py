@@ -68,12 +68,16 @@ def _announce(args, url: str) -> None:
     print(json.dumps({"base_url": url + "/v1"}) if args.json else f"serving on {url}/v1 (Ctrl-C to stop)", flush=True)
 
 
-async def _until_signal() -> None:
+def _on_stop_signal() -> asyncio.Event:
+    """An event set by SIGINT/SIGTERM. Install it *before* announcing readiness: a caller
+    may send SIGTERM as soon as it reads the endpoint, and without the handler that signal
+    kills the process outright (no graceful stop; the supervisor's children, in their own
+    sessions, would be left running)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 def run_engine(args) -> int:
@@ -93,8 +97,9 @@ def run_engine(args) -> int:
         url = await router.start()
         try:
             await supervisor.start()
+            stop = _on_stop_signal()
             _announce(args, url)
-            await _until_signal()
+            await stop.wait()
         finally:
             await router.stop()
             await supervisor.stop()
@@ -113,8 +118,9 @@ def run_router(args) -> int:
         router.add_static_workers(args.worker)
         url = await router.start()
         try:
+            stop = _on_stop_signal()
             _announce(args, url)
-            await _until_signal()
+            await stop.wait()
         finally:
             await router.stop()
 
