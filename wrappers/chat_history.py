@@ -2,7 +2,8 @@
 
 A plain agent loop gets prefix-consistent recovery by wrapping: send ``env.messages`` to
 the model, pass its reply to ``step``. The reply is the assistant message; ``parse_action``
-turns it into the command (default: the last fenced ```bash block, or the whole reply).
+turns it into the command (default: the last fenced ```bash block, or the whole reply;
+NUL bytes, which bash cannot receive, are dropped).
 On ``info["belayer"]["rollback"]`` the list is cut back to boundary j, so the model
 regenerates from exactly the context that matches the restored sandbox.
 """
@@ -41,7 +42,8 @@ class ChatHistory(gym.Wrapper):
         return obs, info
 
     def step(self, reply: str) -> tuple[Any, float, bool, bool, dict]:
-        obs, reward, terminated, truncated, info = self.env.step(self.parse_action(reply))
+        # NUL bytes cannot reach bash; in a model's reply they are noise, not a caller's bug
+        obs, reward, terminated, truncated, info = self.env.step(self.parse_action(reply).replace("\x00", ""))
         rollback = info.get("belayer", {}).get("rollback")
         if rollback is not None:
             j = rollback["to_step"]

@@ -12,7 +12,9 @@ mini-swe-agent is not imported unless installed (it pulls litellm); the adapter 
 its documented interface (v2: ``execute(action: dict)`` raising ``Submitted``; v1:
 ``execute(command: str)`` returning the output). On a rollback the bound agent's message
 list is cut back to the restored boundary and ``RolledBack`` (an ``InterruptAgentFlow``
-with no messages, when mini-swe-agent is installed) makes its loop query the model again.
+with no messages, when mini-swe-agent is installed) makes its loop query the model again;
+the loop's read of its (empty) messages cuts again, dropping what the agent appended
+meanwhile (``InteractiveAgent`` adds the discarded branch's observations in a ``finally``).
 Bind the agent with ``env.bind(agent)`` (or give ``agent=``) after building it.
 """
 
@@ -36,16 +38,40 @@ except ImportError:  # pragma: no cover - depends on the environment
     _Submitted = None
 
 
+class _Recut:
+    """``RolledBack.messages``: empty, but iterating it cuts the agent's messages again (once).
+
+    The adapter cuts when it raises; ``InteractiveAgent.execute_actions`` then appends, in a
+    ``finally``, observations of the discarded branch (outputs of the message's actions that
+    ran, or tool-call models' "not executed" results). mini-swe-agent's loop iterates this
+    (``add_messages(*e.messages)``) after that and before the next query: the cut repeats."""
+
+    def __init__(self, messages: list | None = None, keep: int = 0):
+        self._messages, self._keep = messages, keep
+
+    def __iter__(self):
+        if self._messages is not None:
+            del self._messages[self._keep:]
+            self._messages = None
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        return other == () or isinstance(other, _Recut)
+
+
 class RolledBack(_Interrupt or Exception):  # type: ignore[misc]
     """The sandbox was restored to boundary ``to_step``; the agent's context was cut to match."""
 
-    def __init__(self, to_step: int, reason: str):
+    def __init__(self, to_step: int, reason: str, messages: _Recut | tuple = ()):
         if _Interrupt is not None:
             super().__init__()
         else:
             super().__init__(f"rolled back to step {to_step} ({reason})")
         self.to_step, self.reason = to_step, reason
-        self.messages = ()
+        self.messages = messages
 
 
 class RecoverableDockerEnvironmentConfig(BaseModel):
@@ -104,8 +130,8 @@ class RecoverableDockerEnvironment:
                                                               checkpoint=last_of_message)
         rollback = info["belayer"].get("rollback")
         if rollback is not None:
-            self._roll_back(rollback["to_step"])
-            raise RolledBack(rollback["to_step"], rollback["reason"])
+            recut = self._roll_back(rollback["to_step"])
+            raise RolledBack(rollback["to_step"], rollback["reason"], recut)
         output = {"output": self.env.last_result["output"], "returncode": info["returncode"],
                   "exception_info": ""}
         if terminated and _Submitted is not None and isinstance(action, dict):
@@ -160,15 +186,16 @@ class RecoverableDockerEnvironment:
         actions = (message.get("extra") or {}).get("actions") or [None]
         return self._done_in_message >= len(actions)
 
-    def _roll_back(self, j: int) -> None:
+    def _roll_back(self, j: int) -> _Recut:
         messages = getattr(self.agent, "messages", None)
         self._message_id = None
         if messages is None:
-            return
+            return _Recut()
         cut = self._prefix.get(j)
         if cut is None:  # only message ends are checkpointed, so this is boundary 0's fallback
             cut = self._prefix.get(0, len(messages))
         del messages[cut:]
         for b in [b for b in self._prefix if b > j]:
             del self._prefix[b]
+        return _Recut(messages, cut)
 

@@ -1,0 +1,63 @@
+"""docs/training.md's ``rollout_one``, executed as written: real engine processes, a real
+sandbox, and a real container kill while the model generates turn 2."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import openai
+import pytest
+
+from belayer_env.faults import kill_container
+from belayer_env.gc import list_managed
+from examples.swe_rl.tasks import sample_tasks
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
+
+
+def doc_function(name: str) -> dict:
+    """The docs' python block that defines ``name``, executed in a fresh namespace."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+    source = next((b for b in blocks if f"def {name}(" in b), None)
+    assert source is not None, f"docs/training.md defines no {name}()"
+    namespace: dict = {}
+    exec(compile(source, str(DOC), "exec"), namespace)  # noqa: S102 - our own docs
+    return namespace
+
+
+@pytest.mark.timeout(300)
+def test_rollout_one_from_the_docs_survives_a_container_kill(docker_client, monkeypatch):
+    from belayer_engine.launch import RecoverableEngine
+
+    calls = []
+    real_create = openai.resources.chat.Completions.create
+
+    def create(self, *args, **kwargs):  # the container dies while turn 2 is being generated
+        calls.append(len(kwargs["messages"]))
+        if len(calls) == 2:
+            mine = [c for c in list_managed(docker_client) if c.owner.endswith(f":{os.getpid()}")]
+            assert len(mine) == 1, mine
+            kill_container(docker_client, mine[0].id)
+        return real_create(self, *args, **{**kwargs, "max_tokens": 64})  # a short test
+
+    monkeypatch.setattr(openai.resources.chat.Completions, "create", create)
+    task = sample_tasks(1)[0]
+    spec = {"prompt": task.prompt, "setup": task.setup_commands(), "test_cmd": task.test_command}
+    rollout_one = doc_function("rollout_one")["rollout_one"]
+    with RecoverableEngine.launch() as engine:
+        engine.wait_ready(stable=True)
+        out = rollout_one(spec, engine.base_url, max_turns=3)
+
+    rollbacks = [e for e in out["infra_events"] if e["kind"] == "rollback"]
+    assert out["recovered"] and len(rollbacks) == 1 and rollbacks[0]["at_step"] == 1, out["infra_events"]
+    # turn 2 was lost with its container; generation resumed from the restored boundary's
+    # context (boundary 1 if the adaptive policy had checkpointed it, else 0)
+    j = rollbacks[0]["to_step"]
+    assert calls[:3] == [1, 3, 1 + 2 * j], calls
+    assert len(out["turns"]) == 3, "one sample per committed step (the lost turn dropped)"
+    for j, (messages, token_ids) in enumerate(out["turns"]):
+        assert len(messages) == 1 + 2 * j and token_ids, (j, messages)
+    assert len(out["weight_versions"]) == 1 and None not in out["weight_versions"]
+    assert out["reward"] == 0.0  # the untrained model never submits
