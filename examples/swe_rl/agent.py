@@ -20,9 +20,9 @@ from belayer_engine.tokenizer import ByteTokenizer
 from belayer_env.config import SandboxConfig
 from belayer_env.env import EnvConfig, RecoverableSandboxEnv
 from belayer_env.rewards import CommandReward
+from examples.swe_rl.episode import Episode, Turn
 from examples.swe_rl.tasks import REPO_DIR, Task
 
-SUBMIT = "submit"  # installed by the task's setup; prints SUBMIT_MARKER
 _TOK = ByteTokenizer()
 
 
@@ -35,41 +35,6 @@ class AgentConfig(BaseModel):
     max_turns: int = Field(default=4, ge=1)
     command_timeout_s: float = 10.0
     checkpoint_policy: str = "adaptive"
-
-
-class Turn(BaseModel):
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    weight_version: int | None
-    worker_recoveries: int = 0
-
-
-class Episode(BaseModel):
-    """A committed trajectory plus its infra labels (what the learner trains on)."""
-
-    task_id: str
-    turns: list[Turn] = Field(default_factory=list)
-    reward: float = 0.0
-    env_rollbacks: int = 0
-    worker_recoveries: int = 0
-    infra_events: list[str] = Field(default_factory=list)
-    failed: str | None = None
-    """Set when an infra failure could not be recovered: the episode is dropped, not scored 0."""
-    stale: bool = False
-    """A response came from another weight version than the one this episode was meant for."""
-    seconds: float = 0.0
-    lost_s: float = 0.0
-    """Work redone because of env failures: time since the restored boundary was reached."""
-    lost_s_without: float = 0.0
-    """The same without recovery: time since the episode (re)started from scratch."""
-
-    @property
-    def infra_touched(self) -> bool:
-        return bool(self.env_rollbacks or self.worker_recoveries or self.failed)
-
-    @property
-    def trainable(self) -> bool:
-        return self.failed is None and not self.stale and bool(self.turns)
 
 
 def render_prompt_ids(messages: list[dict]) -> list[int]:

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from examples.swe_rl.agent import SUBMIT, Episode, Turn, make_env, render_prompt_ids
-from examples.swe_rl.tasks import Task
+from examples.swe_rl.episode import Episode, Turn
+from examples.swe_rl.tasks import SUBMIT, Task
 
 
 def expert_actions(task: Task) -> list[str]:
     return [f"cat {task.source_file}", task.fix_command(), SUBMIT]
 
 
-def play_expert(task: Task, env_factory=make_env) -> Episode:
+def play_expert(task: Task, env_factory=None) -> Episode:
     """Run the expert's actions in a fresh sandbox; the episode must earn reward 1."""
     from belayer_engine.tokenizer import ByteTokenizer
+    from examples.swe_rl.agent import make_env, render_prompt_ids
 
+    env_factory = env_factory or make_env
     tok = ByteTokenizer()
     env = env_factory(task)
     try:

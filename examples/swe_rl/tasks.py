@@ -14,10 +14,10 @@ import shlex
 
 from pydantic import BaseModel
 
-from belayer_env.env import SUBMIT_MARKER
-
 REPO_DIR = "/repo"
-SUBMIT_PATH = "/usr/local/bin/submit"
+SUBMIT = "submit"
+"""The action that ends an episode (installed by ``setup_commands``; prints the env's submit marker)."""
+SUBMIT_PATH = f"/usr/local/bin/{SUBMIT}"
 
 # function name, arguments, correct expression, buggy expression, the shortest edit that fixes
 # it (old, new), test cases (args, result). ``old`` avoids sed regex specials (. * [ ^ $ \\ /)
@@ -62,6 +62,8 @@ class Task(BaseModel):
         """Shell commands that write the repo inside a fresh sandbox (no network needed), plus
         a ``submit`` command (as in SWE-agent) that prints the env's submit marker: a short
         action matters when every byte is a token."""
+        from belayer_env.env import SUBMIT_MARKER  # lazily: the task set itself needs no Docker
+
         cmds = [f"mkdir -p {REPO_DIR}", f"printf '#!/bin/sh\\necho {SUBMIT_MARKER}\\n' > {SUBMIT_PATH}",
                 f"chmod +x {SUBMIT_PATH}"]
         for name, text in sorted(self.files.items()):

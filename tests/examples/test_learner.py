@@ -1,0 +1,44 @@
+"""The GRPO loss: every episode weighs the same, whatever its length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.swe_rl.episode import Episode, Turn
+from examples.swe_rl.learner import Learner, LearnerConfig
+from examples.swe_rl.policy import sequence_logprobs
+
+
+def _episode(task: str, prompt_len: int, completion_len: int, reward: float) -> Episode:
+    prompt = [(7 * i + len(task)) % 250 for i in range(prompt_len)]
+    completion = [(11 * i + 3) % 250 for i in range(completion_len)]
+    return Episode(task_id=task, reward=reward, turns=[Turn(prompt_ids=prompt, completion_ids=completion,
+                                                            weight_version=1)])
+
+
+@pytest.mark.parametrize("loss_agg", ["episode", "token"])
+def test_loss_is_the_episode_or_token_mean(loss_agg):
+    learner = Learner(LearnerConfig(epochs=1, loss_agg=loss_agg, rl_lr=0.0))
+    # a short success and a long failure in one group: advantages +1 and -1
+    group = [_episode("t", 12, 4, 1.0), _episode("t", 12, 40, 0.0)]
+    seqs = [(e.turns[0].prompt_ids + e.turns[0].completion_ids, [(12, 12 + len(e.turns[0].completion_ids))])
+            for e in group]
+    with torch.no_grad():
+        lps = sequence_logprobs(learner.model, seqs)
+    adv = [0.5 / (0.5 + 1e-4), -0.5 / (0.5 + 1e-4)]  # (r - mean) / (std + eps)
+    if loss_agg == "episode":
+        want = -sum(a * lp.mean() for a, lp in zip(adv, lps, strict=True)) / 2
+    else:
+        want = -sum(a * lp.sum() for a, lp in zip(adv, lps, strict=True)) / (4 + 40)
+    metrics = learner.grpo_step([group])
+    assert metrics["tokens"] == 44
+    assert metrics["loss"] == pytest.approx(float(want), abs=1e-3)
+
+
+def test_groups_without_reward_spread_carry_no_signal():
+    learner = Learner(LearnerConfig(epochs=1))
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    metrics = learner.grpo_step([[_episode("a", 8, 4, 1.0), _episode("a", 8, 6, 1.0)]])
+    assert metrics["tokens"] == 0
+    assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
