@@ -6,13 +6,13 @@ generated token ids and the recovery record without an extra dependency.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from belayer.errors import UsageError, WorkerLost
+from belayer_engine.sse import sse_json
 
 
 @dataclass
@@ -71,17 +71,9 @@ class EngineClient:
         async with self._session.post(self.base_url + path, json=body) as resp:
             if resp.status != 200:
                 _raise_for(resp.status, await resp.json(content_type=None))
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    return
-                chunk = json.loads(payload)
+            async for chunk in sse_json(resp.content, "router"):
                 _raise_for(200, chunk)
                 yield chunk
-        raise WorkerLost("router stream ended without [DONE]")
 
 
 def _raise_for(status: int, data: dict) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import aiohttp
 
 from belayer.errors import UsageError, WorkerLost
 
+from ..sse import sse_json
 from .table import LOST, Endpoint
 
 _DONE = object()
@@ -47,18 +47,13 @@ async def _pump(session: aiohttp.ClientSession, url: str, body: dict, queue: asy
                 else:
                     queue.put_nowait(WorkerLost(f"worker answered {resp.status}: {text[:200]}"))
                 return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    queue.put_nowait(_DONE)
-                    return
-                queue.put_nowait(json.loads(data))
-        queue.put_nowait(WorkerLost("stream ended without [DONE]"))
+            async for chunk in sse_json(resp.content, "worker"):
+                queue.put_nowait(chunk)
+            queue.put_nowait(_DONE)
     except asyncio.CancelledError:
         raise
+    except WorkerLost as exc:
+        queue.put_nowait(exc)
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         queue.put_nowait(WorkerLost(f"stream broken: {type(exc).__name__}: {exc}"))
 
