@@ -22,11 +22,10 @@ import torch
 from belayer.errors import ArenaLost
 from belayer_engine.model import kv_shape
 from belayer_engine.model_config import ModelConfig
+from belayer_engine.shm_files import reap_orphans, shm_path  # noqa: F401 - reap_orphans re-exported
 from belayer_engine.weights import torch_dtype, weight_specs
 
 ALIGN = 64
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-SHM_PREFIX = "belayer-arena-"
 
 
 def weight_layout(cfg: ModelConfig) -> tuple[dict[str, list], int]:
@@ -68,7 +67,7 @@ def kv_nbytes(cfg: ModelConfig, num_blocks: int, block_size: int) -> int:
 def allocate(name: str, nbytes: int, device: torch.device) -> tuple[torch.Tensor, dict]:
     """A zeroed flat region plus the handle another process needs to map it."""
     if device.type == "cpu":
-        path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{name}"
+        path = shm_path(name)
         path.unlink(missing_ok=True)
         t = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         os.chmod(path, 0o600)
@@ -98,17 +97,3 @@ def checksum(t: torch.Tensor) -> str:
     data = t.detach().cpu() if t.device.type != "cpu" else t
     data = data.contiguous().view(-1).view(torch.uint8)
     return hashlib.sha256(memoryview(data.numpy())).hexdigest()
-
-
-def reap_orphans() -> list[str]:
-    """Remove shm files left by arenas whose owner process is gone; returns their paths."""
-    removed = []
-    for p in SHM_DIR.glob(SHM_PREFIX + "*"):
-        try:
-            pid = int(p.name[len(SHM_PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not Path(f"/proc/{pid}").exists():
-            p.unlink(missing_ok=True)
-            removed.append(str(p))
-    return removed

@@ -58,3 +58,36 @@ def test_shutdown_removes_shared_memory(tmp_path, procs):
     assert not Path(arena.socket).exists()
     with pytest.raises(ArenaLost):
         ArenaClient(arena.socket, timeout=2).health()
+
+
+def test_gc_reaps_the_shm_files_of_a_killed_arena_only(tmp_path, procs):
+    """A SIGKILLed arena leaves its weights/KV files in /dev/shm; ``belayer gc`` removes
+    exactly those (``--dry-run`` only lists them), never a live arena's."""
+    import json
+    import subprocess
+    import sys
+
+    from belayer_engine.shm_files import SHM_DIR, SHM_PREFIX
+
+    def files_of(pid: int) -> set[str]:
+        return {str(p) for p in SHM_DIR.glob(f"{SHM_PREFIX}{pid}-*")}
+
+    (tmp_path / "dead").mkdir()
+    (tmp_path / "live").mkdir()
+    dead, live = Arena(tmp_path / "dead"), Arena(tmp_path / "live")
+    procs += [dead, live]
+    dead_pid = dead.pid
+    left, kept = files_of(dead_pid), files_of(live.pid)
+    assert left and kept, "arenas on CPU keep their memory in shm files"
+    dead.kill9()
+
+    def gc(*flags: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "belayer", "gc", "--json", *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    assert left <= set(gc("--dry-run")["arena_files"]) and files_of(dead_pid) == left
+    assert left <= set(gc()["arena_files"])
+    assert not files_of(dead_pid), "the dead arena's files are still there"
+    assert files_of(live.pid) == kept, "a live arena's files were touched"
