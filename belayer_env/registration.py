@@ -1,7 +1,8 @@
 """Gymnasium registration: ``gymnasium.make("belayer/Sandbox-v0", checkpoint_policy="adaptive")``.
 
-Called from the ``gymnasium.envs`` entry point (tools that load plugins) and when
-``belayer_env`` is imported; registering twice is a no-op.
+Runs when ``belayer_env`` is imported (Gymnasium >= 1.0 no longer loads plugin entry
+points), so either ``import belayer_env`` first or name the module in the id:
+``gymnasium.make("belayer_env:belayer/Sandbox-v0")``. Registering twice is a no-op.
 """
 
 from __future__ import annotations

@@ -31,12 +31,20 @@ def test_gymnasium_make_after_import(docker_client):
     assert not containers_of(docker_client, name)
 
 
-def test_registration_entry_point_function():
+def test_registration_is_idempotent_and_needs_no_prior_import():
+    import subprocess
+    import sys
+
     from belayer_env.registration import ENV_ID, register_envs
 
     register_envs()
     register_envs()  # idempotent
     assert gym.spec(ENV_ID).entry_point == "belayer_env.env:RecoverableSandboxEnv"
+    # a fresh interpreter that never imported belayer_env: the module-qualified id works
+    code = ("import gymnasium as g; e = g.make('belayer_env:belayer/Sandbox-v0'); "
+            "print(type(e.unwrapped).__name__); e.close()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "RecoverableSandboxEnv", r.stderr
 
 
 def test_observation_space_admits_any_text(make_env):
