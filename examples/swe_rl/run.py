@@ -141,8 +141,8 @@ class Run:
                     proc.wait()
                     self._reap_orphans(proc.pid)
                     killed_at.add(ev["step"])
-                    self.display(f"  !! learner SIGKILLed at the step-{ev['step']} boundary (checkpoint save "
-                                 "in flight): restarting")
+                    self.display(f"  !! learner SIGKILLed at the step-{ev['step']} boundary, just after its "
+                                 "checkpoint save started: restarting")
                     proc = self._spawn(config_path)
                     code = None
             if code is not None and not done:
