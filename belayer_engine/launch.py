@@ -12,6 +12,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from belayer.errors import UsageError
+
 from .router import Router, RouterConfig
 from .supervisor import Supervisor
 from .supervisor_config import SupervisorConfig
@@ -107,6 +109,14 @@ class RecoverableEngine:
     def status(self) -> dict:
         assert self.supervisor is not None
         return self.call(_value(self.supervisor.status))
+
+    def arena_socket(self, slot: int = 0) -> str:
+        """The Unix socket of slot ``slot``'s arena: ``ArenaClient(...).update_weights`` there
+        pushes new weights to the workers it serves (the trainer's weight sync)."""
+        assert self.supervisor is not None
+        if not 0 <= slot < len(self.supervisor.slots):
+            raise UsageError(f"no slot {slot}: this engine has {len(self.supervisor.slots)}")
+        return str(self.supervisor.slots[slot].socket)
 
     def worker_pid(self, slot: int = 0) -> int | None:
         return self.status()["slots"][f"w{slot}"]["worker_pid"]

@@ -92,7 +92,7 @@ class Run:
             self.display(f"engine ready in {engine_start_s:.1f}s at {engine.base_url}")
             train = TrainConfig(
                 out_dir=str(self.out), base_url=engine.base_url,
-                arena_socket=str(engine.supervisor.slots[0].socket), steps=cfg.steps, n_tasks=cfg.n_tasks,
+                arena_socket=engine.arena_socket(), steps=cfg.steps, n_tasks=cfg.n_tasks,
                 tasks_per_step=cfg.tasks_per_step, group_size=cfg.group_size, parallel=cfg.parallel,
                 seed=cfg.seed, faults=cfg.faults)
             train.learner.sft_steps, train.learner.rl_lr, train.learner.seed = cfg.sft_steps, cfg.rl_lr, 0

@@ -21,6 +21,13 @@ def test_launch_defaults_serve_openai_and_clean_up():
         client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0)
         out = client.chat.completions.create(model="belayer-default", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
         assert out.usage.completion_tokens >= 1
+        from belayer.errors import UsageError
+        from belayer_engine.arena_client import ArenaClient
+
+        version = ArenaClient(engine.arena_socket()).describe()["version"]
+        assert out.model_extra["belayer"]["weight_version"] == version
+        with pytest.raises(UsageError, match="no slot 3"):
+            engine.arena_socket(3)
     assert not any(process_alive(p) for p in pids), "every child process must be gone after the context exits"
 
 
