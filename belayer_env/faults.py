@@ -13,8 +13,13 @@ import socket
 from typing import Any, Literal
 
 import docker
+import requests
 
 from belayer.errors import SandboxLost
+
+# a fault aimed at a container that is already gone, or a daemon too slow to answer, is a
+# fault that did not fire: it must never crash the thread that injects it
+_DAEMON_ERRORS = (docker.errors.APIError, requests.exceptions.RequestException)
 
 FaultKind = Literal["kill", "oom", "kill_processes", "break_transport", "checkpoint_fail", "restore_fail"]
 ACTION_FAULTS: tuple[FaultKind, ...] = ("kill", "oom", "kill_processes", "break_transport")
@@ -28,7 +33,7 @@ class InjectedFault(SandboxLost):
 
 def kill_container(client: docker.DockerClient, container_id: str) -> None:
     """SIGKILL the container through the daemon (a host or runtime crash, seen from the env)."""
-    with contextlib.suppress(docker.errors.APIError):
+    with contextlib.suppress(*_DAEMON_ERRORS):
         client.api.kill(container_id, signal="SIGKILL")
 
 
@@ -40,14 +45,14 @@ def oom_container(client: docker.DockerClient, container_id: str) -> None:
     """
     hog = ("import time; b = bytearray(48 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(60)")
     script = f"echo 1000 > /proc/1/oom_score_adj; for i in $(seq 64); do python3 -c \"{hog}\" & done; wait"
-    with contextlib.suppress(docker.errors.APIError):
+    with contextlib.suppress(*_DAEMON_ERRORS):
         exec_id = client.api.exec_create(container_id, ["sh", "-c", script])["Id"]
         client.api.exec_start(exec_id, detach=True)
 
 
 def kill_processes(client: docker.DockerClient, container_id: str) -> None:
     """SIGKILL every process of the container from the host, PID 1 included (kernel-level)."""
-    with contextlib.suppress(docker.errors.APIError):
+    with contextlib.suppress(*_DAEMON_ERRORS):
         init = client.api.inspect_container(container_id)["State"].get("Pid") or 0
         top = client.api.top(container_id, ps_args="-eo pid")
         pids = [init] + [int(row[0]) for row in top.get("Processes") or [] if row and row[0].isdigit()]
