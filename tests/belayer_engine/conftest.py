@@ -44,6 +44,17 @@ def _env() -> dict:
     return env
 
 
+def terminate(p: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s; reaped either way."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
 class Proc:
     """A child process we started; stopped by its own pid only."""
 
@@ -65,13 +76,7 @@ class Proc:
         self.p.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.alive():
-            self.p.terminate()
-            try:
-                self.p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(timeout=10)
+        terminate(self.p)
         self.fh.close()
 
     def output(self) -> str:

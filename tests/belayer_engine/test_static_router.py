@@ -24,7 +24,7 @@ import pytest
 
 from belayer_engine.router.codec import load_codec
 
-from .conftest import REPO, Arena, Worker, _env, poll
+from .conftest import REPO, Arena, Worker, _env, poll, terminate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,13 +72,7 @@ class RouterCLI:
         return {slot: ep for slot, ep in self.get("/belayer/workers")["slots"].items() if ep is not None}
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(timeout=10)
+        terminate(self.p)
         self.p.stdout.close()
         self.log.close()
 

@@ -2,4 +2,25 @@
 
 from __future__ import annotations
 
-from tests.belayer_env.conftest_env import make_env  # noqa: F401
+import pytest
+
+from tests.belayer_env.conftest_env import containers_of, make_env  # noqa: F401
+
+
+@pytest.fixture
+def msw_env(docker_client):
+    """``msw_env(**kw)`` -> RecoverableDockerEnvironment on the base image; cleaned up and checked."""
+    from wrappers.minisweagent import RecoverableDockerEnvironment
+
+    envs = []
+
+    def make(**kw):
+        e = RecoverableDockerEnvironment(image="belayer-base:latest", **kw)
+        envs.append(e)
+        return e
+
+    yield make
+    for e in envs:
+        name = e.env.name
+        e.cleanup()
+        assert not containers_of(docker_client, name), f"env {name} left containers behind"

@@ -12,9 +12,7 @@ import importlib.util
 import pytest
 
 from belayer_env.faults import kill_container
-from tests.belayer_env.conftest_env import containers_of
 from wrappers.minisweagent import (
-    RecoverableDockerEnvironment,
     RecoverableDockerEnvironmentConfig,
     RolledBack,
 )
@@ -42,21 +40,6 @@ class ScriptedAgent:
             return
         self.messages.extend({"role": "user", "content": o["output"]} for o in outputs)
 
-
-@pytest.fixture
-def msw_env(docker_client):
-    envs = []
-
-    def make(**kw):
-        e = RecoverableDockerEnvironment(image="belayer-base:latest", **kw)
-        envs.append(e)
-        return e
-
-    yield make
-    for e in envs:
-        name = e.env.name
-        e.cleanup()
-        assert not containers_of(docker_client, name)
 
 
 def test_config_has_mini_swe_agent_fields():

@@ -21,9 +21,9 @@ from minisweagent.exceptions import InterruptAgentFlow  # noqa: E402
 from minisweagent.models.test_models import DeterministicModel, make_output  # noqa: E402
 
 from belayer_env.faults import kill_container  # noqa: E402
-from tests.belayer_env.conftest_env import assert_no_infra_text, containers_of  # noqa: E402
+from tests.belayer_env.conftest_env import assert_no_infra_text  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
-from wrappers.minisweagent import RecoverableDockerEnvironment, RolledBack  # noqa: E402
+from wrappers.minisweagent import RolledBack  # noqa: E402
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /log"
 
@@ -42,21 +42,6 @@ class HookedModel(DeterministicModel):
             hook()
         return super().query(messages, **kwargs)
 
-
-@pytest.fixture
-def msw_env(docker_client):
-    envs = []
-
-    def make(**kw):
-        e = RecoverableDockerEnvironment(image="belayer-base:latest", **kw)
-        envs.append(e)
-        return e
-
-    yield make
-    for e in envs:
-        name = e.env.name
-        e.cleanup()
-        assert not containers_of(docker_client, name), f"env {name} left containers behind"
 
 
 def test_rolled_back_is_an_interrupt_agent_flow():
