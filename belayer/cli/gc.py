@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,14 +18,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from belayer_engine.shm_files import orphaned
+    from belayer_engine.shm_files import orphaned, reap_orphans
     from belayer_env.docker_api import connect
     from belayer_env.gc import list_managed, reap
 
-    arena_files = [str(p) for p in orphaned()]
-    if not args.dry_run:
-        for path in arena_files:
-            Path(path).unlink(missing_ok=True)
+    arena_files = [str(p) for p in orphaned()] if args.dry_run else reap_orphans()
     client = connect()
     managed = list_managed(client)
     targets = [c for c in managed if args.all or c.orphaned]

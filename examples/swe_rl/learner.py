@@ -90,7 +90,8 @@ class Learner:
     def grpo_step(self, groups: list[list[Episode]]) -> dict:
         """One policy-gradient update from groups of episodes (one group per task)."""
         items: list[tuple[list[int], list[tuple[int, int]], float]] = []
-        weights: list[float] = []  # per sequence: the share of the loss each of its tokens gets
+        weights: list[float] = []  # per sequence: 1 / its episode's generated tokens
+        episodes = 0
         for group in groups:
             usable = [e for e in group if e.trainable]
             if len(usable) < 2:
@@ -102,24 +103,24 @@ class Learner:
             for e in usable:
                 adv = (e.reward - mean) / (std + 1e-4)
                 packed = pack_turns([(t.prompt_ids, t.completion_ids) for t in e.turns])
-                items += [(ids, spans, adv) for ids, spans in packed]
                 n = sum(b - a for _, spans in packed for a, b in spans)
-                weights += [1.0 / max(n, 1)] * len(packed)
+                if n:
+                    episodes += 1
+                    items += [(ids, spans, adv) for ids, spans in packed]
+                    weights += [1.0 / n] * len(packed)
         self.step += 1
         if not items:
             return {"tokens": 0, "loss": 0.0, "grad_norm": 0.0}
         seqs = [(ids, spans) for ids, spans, _ in items]
         advs = [adv for _, _, adv in items]
+        tokens = sum(b - a for _, spans in seqs for a, b in spans)
         if self.cfg.loss_agg == "episode":
-            episodes = sum(w * (b - a) for w, (_, spans) in zip(weights, seqs, strict=True) for a, b in spans)
             scale = [w / episodes for w in weights]
         else:
-            total = sum(b - a for _, spans in seqs for a, b in spans)
-            scale = [1.0 / total] * len(seqs)
+            scale = [1.0 / tokens] * len(seqs)
         old = self._logprobs(seqs) if self.cfg.epochs > 1 else None
         for _ in range(self.cfg.epochs):  # PPO-style clipped epochs over the same on-policy batch
             loss, norm = self._pg_update(seqs, advs, scale, old)
-        tokens = sum(b - a for _, spans in seqs for a, b in spans)
         return {"tokens": tokens, "loss": round(loss, 4), "grad_norm": round(norm, 3)}
 
     def _chunks(self, seqs: list) -> list[list[int]]:
