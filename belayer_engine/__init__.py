@@ -5,16 +5,16 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "ArenaClient": "belayer_engine.arena_client",
-    "ArenaConfig": "belayer_engine.arena",
-    "ArenaServer": "belayer_engine.arena",
-    "ModelConfig": "belayer_engine.model_config",
-    "WorkerConfig": "belayer_engine.worker",
-    "WorkerRuntime": "belayer_engine.runtime",
-    "SamplingParams": "belayer_engine.sampling",
-    "apply_chat_template": "belayer_engine.chat_template",
-    "load_tokenizer": "belayer_engine.tokenizer",
-    "ByteTokenizer": "belayer_engine.tokenizer",
+    "ArenaClient": "belayer_engine.arena.client",
+    "ArenaConfig": "belayer_engine.arena.server",
+    "ArenaServer": "belayer_engine.arena.server",
+    "ModelConfig": "belayer_engine.model.config",
+    "WorkerConfig": "belayer_engine.backends.reference.worker",
+    "WorkerState": "belayer_engine.backends.reference.state",
+    "SamplingParams": "belayer_engine.backends.reference.sampling",
+    "apply_chat_template": "belayer_engine.model.chat_template",
+    "load_tokenizer": "belayer_engine.model.tokenizer",
+    "ByteTokenizer": "belayer_engine.model.tokenizer",
 }
 
 
@@ -27,5 +27,5 @@ def __getattr__(name: str):
 __all__ = sorted(_LAZY)
 
 # Issue 6 (router + supervisor): the engine front door, resolved lazily like the rest.
-_LAZY["RecoverableEngine"] = "belayer_engine.launch"
+_LAZY["RecoverableEngine"] = "belayer_engine.engine"
 __all__ = sorted(_LAZY)

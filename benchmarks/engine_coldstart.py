@@ -39,8 +39,8 @@ def random_model_dir(path: Path, small: bool, device: str) -> None:
     """Random weights of the chosen shape, written as an HF-layout safetensors dir."""
     import torch
 
-    from belayer_engine.model_config import ModelConfig
-    from belayer_engine.weights import init_weights, save_safetensors_dir, weight_specs
+    from belayer_engine.model.config import ModelConfig
+    from belayer_engine.model.weights import init_weights, save_safetensors_dir, weight_specs
 
     cfg = ModelConfig() if small else ModelConfig.qwen3_4b()
     if small:
@@ -62,10 +62,10 @@ def child_cold(model_dir: str, device: str, num_blocks: int, block_size: int, t_
     import torch
 
     marks["import_torch_s"] = time.time() - t0
-    from belayer_engine.cuda_graphs import GraphRunner
-    from belayer_engine.model import Qwen3Model, SeqBatch, kv_shape
-    from belayer_engine.model_config import ModelConfig
-    from belayer_engine.weights import load_safetensors_dir, torch_dtype
+    from belayer_engine.backends.reference.graphs import GraphRunner
+    from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
+    from belayer_engine.model.config import ModelConfig, kv_shape
+    from belayer_engine.model.weights import load_safetensors_dir, torch_dtype
 
     t = time.time()
     dev = torch.device(device)
@@ -104,10 +104,10 @@ def child_attach(socket: str, t_spawn: float):
     import torch  # noqa: F401
 
     marks["import_torch_s"] = time.time() - t0
-    from belayer_engine.runtime import WorkerRuntime
+    from belayer_engine.backends.reference.state import WorkerState
 
     t = time.time()
-    rt = WorkerRuntime(socket, "bench-attach", shadow=True)
+    rt = WorkerState(socket, "bench-attach", shadow=True)
     marks["attach_and_graphs_s"] = time.time() - t
     marks.update(_activate_first_token(rt))
     marks["total_s"] = time.time() - t_spawn
@@ -116,23 +116,23 @@ def child_attach(socket: str, t_spawn: float):
 
 def child_shadow(socket: str, t_spawn: float):
     """Pre-initialized shadow: only activation + first token are on the critical path."""
-    from belayer_engine.runtime import WorkerRuntime
+    from belayer_engine.backends.reference.state import WorkerState
 
-    rt = WorkerRuntime(socket, "bench-shadow", shadow=True)
+    rt = WorkerState(socket, "bench-shadow", shadow=True)
     return {"shadow_init_s": time.time() - t_spawn, **_activate_first_token(rt)}
 
 
 def _activate_first_token(rt) -> dict:
     import threading
 
-    from belayer_engine.sampling import SamplingParams
-    from belayer_engine.scheduler import Request
+    from belayer_engine.backends.reference.sampling import SamplingParams
+    from belayer_engine.backends.reference.scheduler import Request
 
     t = time.time()
     rt.activate()
     marks = {"activate_s": time.time() - t}
     done = threading.Event()
-    rt.engine.submit(Request("b", list(range(1, 17)), SamplingParams(max_new_tokens=1,
+    rt.scheduler.submit(Request("b", list(range(1, 17)), SamplingParams(max_new_tokens=1,
                      temperature=0.0), lambda ev: ev["finish_reason"] and done.set()))
     done.wait(120)
     marks["handover_first_token_s"] = time.time() - t
@@ -144,10 +144,10 @@ def _activate_first_token(rt) -> dict:
 def decode_bench(model_dir: str, device: str, batches: list[int], steps: int, prompt_len: int):
     import torch
 
-    from belayer_engine.cuda_graphs import GraphRunner
-    from belayer_engine.model import Qwen3Model, SeqBatch, kv_shape
-    from belayer_engine.model_config import ModelConfig
-    from belayer_engine.weights import load_safetensors_dir, torch_dtype
+    from belayer_engine.backends.reference.graphs import GraphRunner
+    from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
+    from belayer_engine.model.config import ModelConfig, kv_shape
+    from belayer_engine.model.weights import load_safetensors_dir, torch_dtype
 
     dev = torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
@@ -185,7 +185,7 @@ def engine_pass(model, kv, tables, b, steps, prompt_len, dev, graphs) -> float:
     """Decode tokens/s of the arena engine's path (graph replay when ``graphs``)."""
     import torch
 
-    from belayer_engine.model import SeqBatch
+    from belayer_engine.backends.reference.model import SeqBatch
 
     toks = [1] * b
     _sync(dev)
@@ -207,7 +207,7 @@ def plain_loop(cfg, w, b: int, steps: int, prompt_len: int, dev) -> float:
     import torch
     import torch.nn.functional as F
 
-    from belayer_engine import ops
+    from belayer_engine.backends.reference import ops
 
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     T = prompt_len + steps + 1
@@ -259,7 +259,7 @@ def run_child(args: list[str]) -> dict:
 
 
 def start_arena(model_dir: str, device: str, sock: str, num_blocks: int, block_size: int):
-    from belayer_engine.arena_client import ArenaClient
+    from belayer_engine.arena.client import ArenaClient
 
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "belayer_engine.arena", "--socket", sock,

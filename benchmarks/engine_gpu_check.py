@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPO))
 
 
 def generate(rt, prompt, n):
-    from belayer_engine.sampling import SamplingParams
-    from belayer_engine.scheduler import Request
+    from belayer_engine.backends.reference.sampling import SamplingParams
+    from belayer_engine.backends.reference.scheduler import Request
 
     done, out = threading.Event(), {}
 
@@ -32,7 +32,7 @@ def generate(rt, prompt, n):
             out.update(ev)
             done.set()
 
-    rt.engine.submit(Request(f"r{time.time()}", prompt,
+    rt.scheduler.submit(Request(f"r{time.time()}", prompt,
                              SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
                              emit))
     assert done.wait(120), "generation timed out"
@@ -42,11 +42,11 @@ def generate(rt, prompt, n):
 def main() -> int:
     import torch
 
-    from belayer_engine.arena_client import ArenaClient
-    from belayer_engine.model_config import ModelConfig
-    from belayer_engine.reference import greedy_generate
-    from belayer_engine.runtime import WorkerRuntime
-    from belayer_engine.weights import init_weights
+    from belayer_engine.arena.client import ArenaClient
+    from belayer_engine.backends.reference.dense import greedy_generate
+    from belayer_engine.backends.reference.state import WorkerState
+    from belayer_engine.model.config import ModelConfig
+    from belayer_engine.model.weights import init_weights
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sock = os.path.join(tempfile.mkdtemp(), "arena.sock")
@@ -57,15 +57,15 @@ def main() -> int:
         client = ArenaClient(sock)
         client.wait_ready(300)
         print(json.dumps({"health": client.health()}), flush=True)
-        rt = WorkerRuntime(sock, "gpu-check", shadow=False)
+        rt = WorkerState(sock, "gpu-check", shadow=False)
         cfg, w = ModelConfig(), init_weights(ModelConfig(), 0)
         prompts = [[1, 2, 3, 4, 5], [258, 117, 115, 101, 114, 10, 104, 105], [42] * 20]
         got = [generate(rt, p, 24)[0] for p in prompts]
         ref = [greedy_generate(cfg, w, p, 24, exact=False) for p in prompts]
-        graphs_used = rt.engine.graphs is not None
+        graphs_used = rt.scheduler.graphs is not None
         print(json.dumps({"check": "graph_vs_reference", "graphs": graphs_used,
                           "equal": got == ref, "got": got, "ref": ref}), flush=True)
-        rt.engine.graphs = None
+        rt.scheduler.graphs = None
         eager = [generate(rt, p, 24)[0] for p in prompts]
         print(json.dumps({"check": "eager_vs_reference", "equal": eager == ref}), flush=True)
         new = {k: v.cuda() for k, v in init_weights(cfg, 1).items()}
@@ -74,7 +74,7 @@ def main() -> int:
         ref1 = greedy_generate(cfg, init_weights(cfg, 1), prompts[0], 24, exact=False)
         print(json.dumps({"check": "ipc_update", "version": v, "served": ver,
                           "equal": toks == ref1}), flush=True)
-        shadow = WorkerRuntime(sock, "gpu-shadow", shadow=True)
+        shadow = WorkerState(sock, "gpu-shadow", shadow=True)
         rt.close()
         t = time.time()
         for _ in range(100):

@@ -36,7 +36,7 @@ from contextlib import aclosing
 from pathlib import Path
 
 from belayer_engine.client import EngineClient
-from belayer_engine.launch import RecoverableEngine
+from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 
 PROMPT = "The belay device holds the rope when"

@@ -69,8 +69,8 @@ def _episodes(model, tasks, group: int, cfg: dict, gen, device: str):
     """``group`` episodes per task, all turns of all episodes sampled as one batch per turn."""
     import torch
 
-    from belayer_engine.chat_template import apply_chat_template
-    from belayer_engine.tokenizer import ByteTokenizer
+    from belayer_engine.model.chat_template import apply_chat_template
+    from belayer_engine.model.tokenizer import ByteTokenizer
     from examples.swe_rl.episode import Episode, Turn
 
     tok = ByteTokenizer()
@@ -121,8 +121,8 @@ def _episodes(model, tasks, group: int, cfg: dict, gen, device: str):
 
 
 def _expert(tasks):
-    from belayer_engine.chat_template import apply_chat_template
-    from belayer_engine.tokenizer import ByteTokenizer
+    from belayer_engine.model.chat_template import apply_chat_template
+    from belayer_engine.model.tokenizer import ByteTokenizer
     from examples.swe_rl.episode import Episode, Turn
     from examples.swe_rl.expert import expert_actions
 

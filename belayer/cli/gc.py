@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from belayer_engine.shm_files import orphaned, reap_orphans
+    from belayer_engine.arena.shm_files import orphaned, reap_orphans
     from belayer_env.docker_api import connect
     from belayer_env.gc import list_managed, reap
 

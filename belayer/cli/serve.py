@@ -12,9 +12,9 @@ import importlib
 
 # name -> (flags "module:function", runner "module:function", help)
 TARGETS: dict[str, tuple[str, str, str]] = {
-    "arena": ("belayer_engine.cli_args:arena", "belayer_engine.arena:run",
+    "arena": ("belayer_engine.cli_args:arena", "belayer_engine.arena.server:run",
               "arena server: owns the weights and KV memory of one device"),
-    "worker": ("belayer_engine.cli_args:worker", "belayer_engine.worker:run",
+    "worker": ("belayer_engine.cli_args:worker", "belayer_engine.backends.reference.worker:run",
                "reference inference worker (SGLang /generate protocol)"),
 }
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import signal
+import threading
 
 ENGINE_HELP = "OpenAI-compatible recoverable engine: router + supervisor + arena/workers/shadows"
 ROUTER_HELP = "router only, in front of existing SGLang-protocol workers (no supervisor)"
@@ -20,14 +21,6 @@ TARGET_ROWS = {
     "engine": ("belayer.cli.serve_engine:engine_flags", "belayer.cli.serve_engine:run_engine", ENGINE_HELP),
     "router": ("belayer.cli.serve_engine:router_flags", "belayer.cli.serve_engine:run_router", ROUTER_HELP),
 }
-
-
-def add_engine_parser(serve_subparsers) -> None:
-    """Register ``engine`` and ``router`` under ``belayer serve`` (same as adding TARGET_ROWS)."""
-    for name, (_, runner, help_text) in TARGET_ROWS.items():
-        sp = serve_subparsers.add_parser(name, help=help_text, description=help_text)
-        (engine_flags if name == "engine" else router_flags)(sp)
-        sp.set_defaults(serve_runner=runner)
 
 
 def engine_flags(p: argparse.ArgumentParser) -> None:
@@ -81,30 +74,24 @@ def _on_stop_signal() -> asyncio.Event:
 
 
 def run_engine(args) -> int:
-    from belayer_engine.router import Router
-    from belayer_engine.supervisor import Supervisor
-    from belayer_engine.supervisor_config import SupervisorConfig
+    from belayer_engine.engine import RecoverableEngine
+    from belayer_engine.supervisor import SupervisorConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sup_cfg = SupervisorConfig(model=args.model, workers=args.workers, shadow=args.shadow, device=args.device,
                                unhealthy_window_s=args.unhealthy_window, run_dir=args.run_dir,
                                arena_args=args.arena_arg)
-
-    async def main() -> None:
-        router = Router(_router_config(args, args.model))
-        supervisor = Supervisor(sup_cfg, router.table)
-        router.status = supervisor.status
-        url = await router.start()
-        try:
-            await supervisor.start()
-            stop = _on_stop_signal()
-            _announce(args, url)
-            await stop.wait()
-        finally:
-            await router.stop()
-            await supervisor.stop()
-
-    asyncio.run(main())
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: see _on_stop_signal
+        signal.signal(sig, lambda *_: stop.set())
+    engine = RecoverableEngine(sup_cfg, _router_config(args, args.model))
+    try:
+        engine.start()
+        _announce(args, engine.base_url.removesuffix("/v1"))
+        while not stop.wait(0.5):
+            pass
+    finally:
+        engine.stop()
     return 0
 
 

@@ -1,8 +1,9 @@
 """OpenAI-compatible router with token-level continuation across worker failures."""
 
+from belayer_engine.routing import Endpoint, RoutingTable
+
 from .app import Router
 from .config import RouterConfig
 from .recovery import Continuation, Generation
-from .table import Endpoint, RoutingTable
 
 __all__ = ["Continuation", "Endpoint", "Generation", "Router", "RouterConfig", "RoutingTable"]

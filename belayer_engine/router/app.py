@@ -15,11 +15,12 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from belayer_engine.routing import Endpoint, RoutingTable
+
 from .codec import Codec, load_codec
 from .config import RouterConfig
 from .openai_api import OpenAIHandlers, error_response
 from .recovery import Continuation
-from .table import Endpoint, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 class Router:
     """OpenAI-compatible front door; call ``start()`` inside a running event loop."""
 
-    def __init__(self, config: RouterConfig | None = None, codec: Codec | None = None, status=None) -> None:
+    def __init__(self, config: RouterConfig | None = None, *, table: RoutingTable | None = None,
+                 codec: Codec | None = None, status=None) -> None:
         self.config = config or RouterConfig()
-        self.table = RoutingTable()
+        self.table = table or RoutingTable()  # shared with a supervisor, or fed by add_static_workers
         self.codec = codec
         self.status = status  # optional callable -> dict (the supervisor's view)
         self.base_url: str | None = None
@@ -116,7 +118,7 @@ class Router:
                     async with self._session.get(url + "/health", timeout=timeout) as resp:
                         ok = resp.status == 200
                 if ok and slot not in live:
-                    await self.table.activate(Endpoint(slot=slot, url=url))
+                    await self.table.put_in_service(Endpoint(slot=slot, url=url))
                 elif not ok and slot in live:
                     self.table.report_failure(live[slot], "health probe failed")
             await asyncio.sleep(self.config.probe_interval_s)

@@ -22,7 +22,7 @@ class Codec(Protocol):
 
 
 class TokenizerCodec:
-    """Adapter over ``belayer_engine.tokenizer`` + ``belayer_engine.chat_template``."""
+    """Adapter over ``belayer_engine.model.tokenizer`` + ``belayer_engine.model.chat_template``."""
 
     def __init__(self, tokenizer, chat_render) -> None:
         self._tok = tokenizer
@@ -44,8 +44,8 @@ class TokenizerCodec:
 def load_codec(model_dir: str | None) -> Codec:
     """The codec of a model directory (its ``tokenizer.json``) or of the embedded model (``None``)."""
     try:
-        tok_mod = importlib.import_module("belayer_engine.tokenizer")
-        chat_mod = importlib.import_module("belayer_engine.chat_template")
+        tok_mod = importlib.import_module("belayer_engine.model.tokenizer")
+        chat_mod = importlib.import_module("belayer_engine.model.chat_template")
     except ImportError as exc:
-        raise ConfigError(f"router needs belayer_engine.tokenizer/chat_template: {exc}") from exc
+        raise ConfigError(f"router needs belayer_engine.model.tokenizer/chat_template: {exc}") from exc
     return TokenizerCodec(tok_mod.load_tokenizer(model_dir), chat_mod.apply_chat_template)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from belayer.errors import WorkerLost
+from belayer_engine.routing import RoutingTable
 
 from .config import RouterConfig
-from .table import RoutingTable
 from .upstream import Chunk, stream_generate
 
 log = logging.getLogger(__name__)

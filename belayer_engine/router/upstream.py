@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from belayer.errors import UsageError, WorkerLost
-
-from ..sse import sse_json
-from .table import LOST, Endpoint
+from belayer_engine.routing import LOST, Endpoint
+from belayer_engine.sse import sse_json
 
 _DONE = object()
 

@@ -15,8 +15,8 @@ import openai
 from pydantic import BaseModel, Field
 
 from belayer.errors import BelayerError, InfraError
-from belayer_engine.chat_template import apply_chat_template
-from belayer_engine.tokenizer import ByteTokenizer
+from belayer_engine.model.chat_template import apply_chat_template
+from belayer_engine.model.tokenizer import ByteTokenizer
 from belayer_env.config import SandboxConfig
 from belayer_env.env import EnvConfig, RecoverableSandboxEnv
 from belayer_env.rewards import CommandReward

@@ -18,7 +18,7 @@ def expert_actions(task: Task) -> list[str]:
 
 def play_expert(task: Task, env_factory=None) -> Episode:
     """Run the expert's actions in a fresh sandbox; the episode must earn reward 1."""
-    from belayer_engine.tokenizer import ByteTokenizer
+    from belayer_engine.model.tokenizer import ByteTokenizer
     from examples.swe_rl.agent import make_env, render_prompt_ids
 
     env_factory = env_factory or make_env

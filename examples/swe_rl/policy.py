@@ -1,8 +1,8 @@
 """The learner's trainable copy of the engine's decoder.
 
-The reference worker's forward (``belayer_engine.model``) runs under ``inference_mode``
+The reference worker's forward (``belayer_engine.backends.reference.model``) runs under ``inference_mode``
 over borrowed arena memory, so the learner keeps its own ``nn.Module`` with the *same*
-parameter names, shapes and numeric primitives (``belayer_engine.ops``: RMSNorm, RoPE)
+parameter names, shapes and numeric primitives (``belayer_engine.backends.reference.ops``: RMSNorm, RoPE)
 and a plain batched, differentiable forward. ``hf_state_dict()`` is exactly what
 ``ArenaClient.update_weights`` takes, so the engine serves what the learner trained.
 """
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from belayer_engine import ops
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.weights import init_weights
+from belayer_engine.backends.reference import ops
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.weights import init_weights
 
 
 def _key(name: str) -> str:

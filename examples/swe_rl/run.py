@@ -80,7 +80,7 @@ class Run:
         return new
 
     def execute(self) -> dict:
-        from belayer_engine.launch import RecoverableEngine
+        from belayer_engine.engine import RecoverableEngine
 
         cfg = self.cfg
         self._prepare()

@@ -22,7 +22,7 @@ import openai
 import torch
 from pydantic import BaseModel, Field
 
-from belayer_engine.arena_client import ArenaClient
+from belayer_engine.arena.client import ArenaClient
 from examples.swe_rl import learner_ckpt
 from examples.swe_rl.agent import AgentConfig, Episode, make_env, run_episode
 from examples.swe_rl.expert import expert_dataset

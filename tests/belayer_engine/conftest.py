@@ -88,7 +88,7 @@ class Arena(Proc):
         self.socket = str(tmp / "arena.sock")
         super().__init__(["-m", "belayer_engine.arena", "--socket", self.socket, *extra],
                          tmp / "arena.log")
-        from belayer_engine.arena_client import ArenaClient
+        from belayer_engine.arena.client import ArenaClient
 
         self.client = ArenaClient(self.socket)
         poll(lambda: self.alive() and self.client.describe(), 60,
@@ -98,7 +98,7 @@ class Arena(Proc):
 class Worker(Proc):
     def __init__(self, arena: Arena, tmp: Path, *extra: str, name: str = "w"):
         self.port = free_port()
-        super().__init__(["-m", "belayer_engine.worker", "--arena-socket", arena.socket,
+        super().__init__(["-m", "belayer_engine.backends.reference.worker", "--arena-socket", arena.socket,
                           "--port", str(self.port), "--worker-id", name, *extra],
                          tmp / f"worker-{name}-{self.port}.log")
         poll(lambda: self._state_or_dead(), 60, f"worker {name} to answer /belayer/state")

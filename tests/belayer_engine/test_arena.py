@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from belayer.errors import ArenaLost, UsageError
-from belayer_engine.arena_client import ArenaClient
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.weights import init_weights
+from belayer_engine.arena.client import ArenaClient
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.weights import init_weights
 
 from .conftest import Arena, poll
 
@@ -67,7 +67,7 @@ def test_gc_reaps_the_shm_files_of_a_killed_arena_only(tmp_path, procs):
     import subprocess
     import sys
 
-    from belayer_engine.shm_files import SHM_DIR, SHM_PREFIX
+    from belayer_engine.arena.shm_files import SHM_DIR, SHM_PREFIX
 
     def files_of(pid: int) -> set[str]:
         return {str(p) for p in SHM_DIR.glob(f"{SHM_PREFIX}{pid}-*")}

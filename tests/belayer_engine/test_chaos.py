@@ -16,7 +16,7 @@ import time
 import pytest
 
 from belayer_engine.client import EngineClient
-from belayer_engine.launch import RecoverableEngine
+from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 
 pytestmark = pytest.mark.timeout(300)

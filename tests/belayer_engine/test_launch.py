@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from belayer_engine.launch import RecoverableEngine
+from belayer_engine.engine import RecoverableEngine
 from tests.conftest import process_alive
 
 pytestmark = pytest.mark.timeout(240)
@@ -22,7 +22,7 @@ def test_launch_defaults_serve_openai_and_clean_up():
         out = client.chat.completions.create(model="belayer-default", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
         assert out.usage.completion_tokens >= 1
         from belayer.errors import UsageError
-        from belayer_engine.arena_client import ArenaClient
+        from belayer_engine.arena.client import ArenaClient
 
         version = ArenaClient(engine.arena_socket()).describe()["version"]
         assert out.model_extra["belayer"]["weight_version"] == version

@@ -7,13 +7,13 @@ import threading
 import pytest
 import torch
 
-from belayer_engine.model import Qwen3Model, SeqBatch, kv_shape
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.reference import dense_logits, greedy_generate
-from belayer_engine.sampling import SamplingParams
-from belayer_engine.scheduler import Engine, Request
-from belayer_engine.tokenizer import ByteTokenizer
-from belayer_engine.weights import init_weights, load_safetensors_dir, save_safetensors_dir
+from belayer_engine.backends.reference.dense import dense_logits, greedy_generate
+from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
+from belayer_engine.backends.reference.sampling import SamplingParams
+from belayer_engine.backends.reference.scheduler import BatchScheduler, Request
+from belayer_engine.model.config import ModelConfig, kv_shape
+from belayer_engine.model.tokenizer import ByteTokenizer
+from belayer_engine.model.weights import init_weights, load_safetensors_dir, save_safetensors_dir
 
 torch.set_num_threads(1)  # the worker's setting: exactness holds for a fixed thread count
 
@@ -28,7 +28,7 @@ W = init_weights(CFG, 0)
 def run_engine(jobs: list[tuple[list[int], int]], cfg=CFG, w=W, num_blocks=128) -> list[list[int]]:
     """Submit all jobs at once to one engine; returns each job's greedy output ids."""
     model = Qwen3Model(cfg, w, exact=True)
-    engine = Engine(model, ByteTokenizer(cfg.vocab_size), block_size=8, max_running=64)
+    engine = BatchScheduler(model, ByteTokenizer(cfg.vocab_size), block_size=8, max_running=64)
     engine.set_weights(0, w)
     engine.attach_kv(torch.zeros(kv_shape(cfg, num_blocks, 8)))
     results: list[list[int] | None] = [None] * len(jobs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from belayer_engine.sampling import SamplingParams, sample
+from belayer_engine.backends.reference.sampling import SamplingParams, sample
 
 
 def test_seeded_sampling_is_reproducible():

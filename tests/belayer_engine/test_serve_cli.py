@@ -17,7 +17,7 @@ def _parse(argv):
 
 def test_serve_parsers_and_targets():
     a = _parse(["serve", "arena", "--socket", "/tmp/x.sock", "--num-blocks", "9"])
-    assert a.func is serve.run and a.serve_runner == "belayer_engine.arena:run"
+    assert a.func is serve.run and a.serve_runner == "belayer_engine.arena.server:run"
     assert a.socket == "/tmp/x.sock" and a.num_blocks == 9 and a.device == "cpu"
     w = _parse(["serve", "worker", "--arena-socket", "s", "--shadow", "--port", "0"])
     assert w.shadow and w.port == 0 and w.host == "127.0.0.1"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from belayer_engine.launch import RecoverableEngine
+from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 from tests.conftest import process_alive
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from belayer.errors import UsageError
-from belayer_engine.chat_template import apply_chat_template
-from belayer_engine.tokenizer import ByteTokenizer, load_tokenizer
+from belayer_engine.model.chat_template import apply_chat_template
+from belayer_engine.model.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def test_roundtrip_and_specials():
@@ -39,7 +39,7 @@ def test_fallback_without_tokenizer_json(tmp_path):
 
 
 def test_importable_without_torch():
-    code = ("import sys; import belayer_engine, belayer_engine.chat_template, "
-            "belayer_engine.tokenizer, belayer_engine.cli_args; "
+    code = ("import sys; import belayer_engine, belayer_engine.model.chat_template, "
+            "belayer_engine.model.tokenizer, belayer_engine.cli_args; "
             "belayer_engine.apply_chat_template([]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.reference import greedy_generate
-from belayer_engine.weights import init_weights
+from belayer_engine.backends.reference.dense import greedy_generate
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.weights import init_weights
 
 from .conftest import Arena, Worker, poll
 

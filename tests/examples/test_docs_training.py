@@ -29,7 +29,7 @@ def doc_function(name: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_rollout_one_from_the_docs_survives_a_container_kill(docker_client, monkeypatch):
-    from belayer_engine.launch import RecoverableEngine
+    from belayer_engine.engine import RecoverableEngine
 
     calls = []
     real_create = openai.resources.chat.Completions.create

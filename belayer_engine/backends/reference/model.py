@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from belayer_engine import ops
-from belayer_engine.model_config import ModelConfig
+from belayer_engine.backends.reference import ops
+from belayer_engine.model.config import ModelConfig
 
 
 @dataclass
@@ -27,12 +27,6 @@ class SeqBatch:
     end: int
     ctx_len: int
     block_table: Sequence[int]
-
-
-def kv_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Layout of the KV arena: (layers, k|v, blocks, block_size, kv_heads, head_dim)."""
-    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
-            cfg.head_dim)
 
 
 class Qwen3Model:

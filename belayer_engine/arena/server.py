@@ -35,11 +35,11 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from belayer.errors import BelayerError, UsageError, WorkerLost
-from belayer_engine import arena_memory as mem
-from belayer_engine import arena_protocol as proto
 from belayer_engine import cli_args
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.weights import init_weights, load_safetensors_dir, torch_dtype
+from belayer_engine.arena import memory as mem
+from belayer_engine.arena import protocol as proto
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.weights import init_weights, load_safetensors_dir, torch_dtype
 
 
 class ArenaConfig(BaseModel):

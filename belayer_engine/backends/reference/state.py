@@ -2,7 +2,7 @@
 
 A shadow runs everything up to (not including) serving: arena attached and mapped, model
 built over the weight slot, a warm-up forward against the *scratch* KV blocks. It never
-touches the live KV until :meth:`WorkerRuntime.activate`, which takes the arena's live-KV
+touches the live KV until :meth:`WorkerState.activate`, which takes the arena's live-KV
 lease (refused while the old worker is still alive), resets the block table (the logical
 KV flush) and starts the scheduler. Needs only torch (no aiohttp, no pydantic at import).
 """
@@ -16,16 +16,16 @@ import time
 import torch
 
 from belayer.errors import ArenaLost
-from belayer_engine import arena_memory as mem
-from belayer_engine.arena_client import ArenaClient
-from belayer_engine.model import Qwen3Model, SeqBatch
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.scheduler import Engine
-from belayer_engine.tokenizer import load_tokenizer
-from belayer_engine.weights import torch_dtype
+from belayer_engine.arena import memory as mem
+from belayer_engine.arena.client import ArenaClient
+from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
+from belayer_engine.backends.reference.scheduler import BatchScheduler
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.tokenizer import load_tokenizer
+from belayer_engine.model.weights import torch_dtype
 
 
-class WorkerRuntime:
+class WorkerState:
     """State machine: shadow -> active (one way). ``arena_ok`` turns False if the arena dies."""
 
     def __init__(self, arena_socket: str, worker_id: str, shadow: bool, threads: int = 1,
@@ -39,7 +39,7 @@ class WorkerRuntime:
         self.state = "shadow" if shadow else "active"
         self.arena_ok = True
         self.lock = threading.Lock()
-        self.engine: Engine | None = None
+        self.scheduler: BatchScheduler | None = None
         self._early: tuple[int, int] | None = None  # a version pushed before the engine exists
         self.client = ArenaClient(arena_socket)
         self.attachment = self.client.attach("shadow" if shadow else "active", worker_id,
@@ -61,36 +61,36 @@ class WorkerRuntime:
         exact = self.device.type == "cpu" if exact is None else exact
         self.model = Qwen3Model(self.cfg, self.slots[info["slot"]], exact, self.device)
         self.tokenizer = load_tokenizer(tokenizer_dir, self.cfg.vocab_size)
-        self.engine = Engine(self.model, self.tokenizer, self.block_size, max_running,
+        self.scheduler = BatchScheduler(self.model, self.tokenizer, self.block_size, max_running,
                              max_prefill_tokens)
-        self.engine.on_version = self.attachment.confirm
-        self.engine.set_weights(info["version"], self.slots[info["slot"]])
+        self.scheduler.on_version = self.attachment.confirm
+        self.scheduler.set_weights(info["version"], self.slots[info["slot"]])
         with self.lock:
             if self._early is not None:
-                self.engine.set_weights(self._early[0], self.slots[self._early[1]])
+                self.scheduler.set_weights(self._early[0], self.slots[self._early[1]])
         self.warmup()
         if self.device.type == "cuda" and graph_max_context > 0:
-            from belayer_engine.cuda_graphs import GraphRunner
+            from belayer_engine.backends.reference.graphs import GraphRunner
 
-            self.engine.graphs = GraphRunner(self.model, self.kv,
+            self.scheduler.graphs = GraphRunner(self.model, self.kv,
                                              -(-graph_max_context // self.block_size),
                                              self.scratch_blocks[0])
-            self.engine.graphs.capture()
+            self.scheduler.graphs.capture()
         if not shadow:
-            self.engine.attach_kv(self.kv, self.num_blocks)
-            self.engine.start()
+            self.scheduler.attach_kv(self.kv, self.num_blocks)
+            self.scheduler.start()
         self.init_s = time.perf_counter() - t0
 
     @property
     def weight_version(self) -> int:
-        return self.engine.version
+        return self.scheduler.version
 
     def _on_version(self, version: int, slot: int) -> None:
         with self.lock:
-            if self.engine is None:
+            if self.scheduler is None:
                 self._early = (version, slot)
                 return
-        self.engine.set_weights(version, self.slots[slot])
+        self.scheduler.set_weights(version, self.slots[slot])
 
     def _on_lost(self) -> None:
         self.arena_ok = False
@@ -112,11 +112,11 @@ class WorkerRuntime:
             if not self.arena_ok:
                 raise ArenaLost("arena connection lost; cannot activate")
             self.attachment.acquire_kv()
-            self.engine.attach_kv(self.kv, self.num_blocks)
-            self.engine.start()
+            self.scheduler.attach_kv(self.kv, self.num_blocks)
+            self.scheduler.start()
             self.state = "active"
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self.engine.stop()
+        self.scheduler.stop()
         self.attachment.close()

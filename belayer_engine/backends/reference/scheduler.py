@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from belayer.errors import UsageError
-from belayer_engine.model import Qwen3Model, SeqBatch
-from belayer_engine.sampling import SamplingParams, sample
-from belayer_engine.tokenizer import Tokenizer
+from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
+from belayer_engine.backends.reference.sampling import SamplingParams, sample
+from belayer_engine.model.tokenizer import Tokenizer
 
 
 @dataclass
@@ -62,7 +62,7 @@ class BlockAllocator:
         self.free = list(range(self.num_blocks - 1, -1, -1))
 
 
-class Engine:
+class BatchScheduler:
     """The scheduler loop. Thread-safe entry points: submit, abort, flush, set_weights."""
 
     def __init__(self, model: Qwen3Model, tokenizer: Tokenizer, block_size: int,

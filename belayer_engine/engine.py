@@ -13,10 +13,10 @@ import threading
 from collections.abc import Iterator
 
 from belayer.errors import UsageError
-
-from .router import Router, RouterConfig
-from .supervisor import Supervisor
-from .supervisor_config import SupervisorConfig
+from belayer_engine.router import Router, RouterConfig
+from belayer_engine.routing import RoutingTable
+from belayer_engine.supervisor import Supervisor
+from belayer_engine.supervisor.config import SupervisorConfig
 
 
 class RecoverableEngine:
@@ -68,9 +68,11 @@ class RecoverableEngine:
             raise
 
     async def _start(self) -> None:
-        self.router = Router(self.router_config)
-        self.supervisor = Supervisor(self.supervisor_config, self.router.table)
-        self.router.status = self.supervisor.status
+        # The one place the engine is wired: supervisor and router share a routing table;
+        # the router reports failures into it and shows the supervisor's view.
+        table = RoutingTable()
+        self.supervisor = Supervisor(self.supervisor_config, table)
+        self.router = Router(self.router_config, table=table, status=self.supervisor.status)
         url = await self.router.start()
         self.base_url = url + "/v1"
         await self.supervisor.start()

@@ -61,7 +61,7 @@ class RoutingTable:
     def add_slot(self, slot: str) -> None:
         self._active.setdefault(slot, None)
 
-    async def activate(self, endpoint: Endpoint) -> None:
+    async def put_in_service(self, endpoint: Endpoint) -> None:
         """Swap ``endpoint`` in as the server of its slot (handover or first start)."""
         old = self._active.get(endpoint.slot)
         if old is not None and old is not endpoint:

@@ -1,7 +1,7 @@
-"""What a slot is made of and how its processes are started, activated and probed.
+"""What a slot is made of and how its processes are started, promoted and probed.
 
-No recovery decisions here (they live in ``supervisor.py``): this module only knows the
-command lines of arena and worker, and what "ready" means for each of them.
+No recovery decisions here (they live in ``supervisor.py``), and nothing about one kind of
+worker: the arena's command line is ours, a worker's comes from its ``WorkerBackend``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ from pathlib import Path
 import aiohttp
 
 from belayer.errors import BelayerError, WorkerLost
-
-from .arena_client import ArenaClient
-from .router.table import Endpoint
-from .supervisor_config import SupervisorConfig
-from .supervisor_procs import Proc, fence, free_port, http_status, spawn, wait_until
+from belayer_engine.arena.client import ArenaClient
+from belayer_engine.backends.base import SlotSpec, WorkerBackend, WorkerSpec
+from belayer_engine.routing import Endpoint
+from belayer_engine.supervisor.config import SupervisorConfig
+from belayer_engine.supervisor.processes import (
+    Proc,
+    fence,
+    free_port,
+    spawn,
+    wait_until,
+)
 
 
 @dataclass(eq=False)
@@ -37,7 +43,7 @@ class Slot:
     endpoint: Endpoint | None = None
     shadow: Proc | None = None
     arming: asyncio.Task | None = None
-    activated_at: float | None = None
+    promoted_at: float | None = None
     excluded: bool = False
     handovers: int = 0
     cold_starts: int = 0
@@ -56,12 +62,17 @@ def _child_env() -> dict[str, str]:
 class SlotProcesses:
     """Starts arena / worker / shadow processes of slots and talks to them."""
 
-    def __init__(self, config: SupervisorConfig, run_dir: Path, session: aiohttp.ClientSession) -> None:
+    def __init__(self, config: SupervisorConfig, backend: WorkerBackend, run_dir: Path,
+                 session: aiohttp.ClientSession) -> None:
         self.config = config
+        self.backend = backend
         self.run_dir = run_dir
         self.session = session
         self._seq = itertools.count(1)
         self._env = _child_env()
+
+    def spec(self, slot: Slot) -> SlotSpec:
+        return SlotSpec(name=slot.name, device=slot.device, arena_socket=slot.socket, run_dir=self.run_dir)
 
     async def start_arena(self, slot: Slot) -> Proc:
         cfg = self.config
@@ -69,7 +80,8 @@ class SlotProcesses:
         argv = [cfg.python, "-m", "belayer_engine.arena", "--socket", str(slot.socket), "--device", slot.device]
         if cfg.model:
             argv += ["--model-dir", cfg.model]
-        proc = await spawn("arena", f"arena-{slot.name}", argv + cfg.arena_args, self.run_dir / f"arena-{slot.name}.log", env=self._env)
+        argv += self.backend.arena_argv(self.spec(slot)) + cfg.arena_args
+        proc = await spawn("arena", f"arena-{slot.name}", argv, self.run_dir / f"arena-{slot.name}.log", env=self._env)
 
         async def ready() -> bool:  # the arena binds its socket only once weights and KV exist
             return slot.socket.exists()
@@ -79,20 +91,16 @@ class SlotProcesses:
 
     async def start_worker(self, slot: Slot, shadow: bool) -> Proc:
         cfg = self.config
-        port = free_port(cfg.host)
         role = "shadow" if shadow else "worker"
-        wid = f"{slot.name}-{role}-{next(self._seq)}"
-        argv = [cfg.python, "-m", "belayer_engine.worker", "--arena-socket", str(slot.socket), "--host", cfg.host,
-                "--port", str(port), "--worker-id", wid] + (["--shadow"] if shadow else []) + cfg.worker_args
-        url = f"http://{cfg.host}:{port}"
-        proc = await spawn(role, wid, argv, self.run_dir / f"{wid}.log", url=url, env=self._env)
-        session = self.session
+        spec = WorkerSpec(worker_id=f"{slot.name}-{role}-{next(self._seq)}", host=cfg.host,
+                          port=free_port(cfg.host), shadow=shadow)
+        argv = [cfg.python, *self.backend.worker_argv(self.spec(slot), spec)]
+        url = f"http://{cfg.host}:{spec.port}"
+        proc = await spawn(role, spec.worker_id, argv, self.run_dir / f"{spec.worker_id}.log", url=url,
+                           env=self.backend.worker_env(self._env))
 
         async def ready() -> bool:
-            if shadow:  # a shadow answers 503 on /health by design
-                status, body = await http_status(session, url + "/belayer/state")
-                return status == 200 and body.get("state") == "shadow"
-            return (await http_status(session, url + "/health"))[0] == 200
+            return await self.backend.ready(self.session, url, shadow)
 
         await self._ready_or_fence(proc, ready, "ready")
         return proc
@@ -105,24 +113,15 @@ class SlotProcesses:
                 await fence(proc, self.config.fence_timeout_s)
             raise
 
-    async def activate(self, shadow: Proc) -> float | None:
-        """``POST /belayer/activate`` (only after the old worker is fenced); raises WorkerLost."""
-        timeout = aiohttp.ClientTimeout(total=self.config.start_timeout_s)
-        try:
-            async with self.session.post(shadow.url + "/belayer/activate", json={}, timeout=timeout) as resp:
-                body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            raise WorkerLost(f"activate failed: {type(exc).__name__}: {exc}") from exc
-        if resp.status != 200 or not isinstance(body, dict) or body.get("status") != "active":
-            raise WorkerLost(f"activate answered {resp.status}: {body}")
-        return body.get("activate_s")
+    async def promote(self, shadow: Proc) -> float | None:
+        """Make ``shadow`` the slot's worker (only after the old worker is fenced); raises WorkerLost."""
+        assert shadow.url is not None
+        return await self.backend.promote(self.session, shadow.url, self.config.start_timeout_s)
 
     async def healthy(self, proc: Proc) -> bool:
-        """One cheap ``GET /health`` probe."""
-        try:
-            return (await http_status(self.session, proc.url + "/health", self.config.health_timeout_s))[0] == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+        """One cheap liveness probe."""
+        assert proc.url is not None
+        return await self.backend.healthy(self.session, proc.url, self.config.health_timeout_s)
 
     async def arena_health(self, slot: Slot) -> dict | None:
         """The arena's own health answer, or None when the owner is gone or silent."""

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import sys
+from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class SupervisorConfig(BaseModel):
     """One slot per worker; each slot has its own arena (device) and, optionally, a shadow."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    backend: Literal["reference"] = Field(default="reference", description="kind of inference worker")
 
     workers: int = Field(default=1, ge=1)
     shadow: bool = True
@@ -30,3 +35,10 @@ class SupervisorConfig(BaseModel):
         if self.device == "cuda":
             return f"cuda:{slot_index}"
         return self.device
+
+
+def make_backend(config: SupervisorConfig):
+    """The ``WorkerBackend`` that ``config.backend`` names."""
+    from belayer_engine.backends.reference.launcher import ReferenceBackend
+
+    return ReferenceBackend(config.worker_args)

@@ -1,6 +1,6 @@
-"""Reference inference worker: SGLang's native HTTP protocol over :class:`WorkerRuntime`.
+"""Reference inference worker: SGLang's native HTTP protocol over :class:`WorkerState`.
 
-``python -m belayer_engine.worker --arena-socket PATH [--host 127.0.0.1] --port N
+``python -m belayer_engine.backends.reference.worker --arena-socket PATH [--host 127.0.0.1] --port N
 [--shadow] [--worker-id ID]`` (also ``belayer serve worker``). Routes and fields are
 documented in docs/engine.md; the contract with the router is docs/contracts.md.
 """
@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from belayer.errors import ArenaLost, BelayerError, UsageError
 from belayer_engine import cli_args
-from belayer_engine.runtime import WorkerRuntime
-from belayer_engine.sampling import SamplingParams
-from belayer_engine.scheduler import Request
+from belayer_engine.backends.reference.sampling import SamplingParams
+from belayer_engine.backends.reference.scheduler import Request
+from belayer_engine.backends.reference.state import WorkerState
 
 
 class WorkerConfig(BaseModel):
@@ -66,7 +66,7 @@ def _validation_message(exc: ValidationError) -> str:
 class WorkerApp:
     """aiohttp routes; the runtime does the work on its own engine thread."""
 
-    def __init__(self, rt: WorkerRuntime):
+    def __init__(self, rt: WorkerState):
         self.rt = rt
         self.live: dict[str, Request] = {}
         app = web.Application(client_max_size=64 << 20)
@@ -147,7 +147,7 @@ class WorkerApp:
         req = Request(rid, list(g.input_ids), g.sampling_params,
                       lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
         try:
-            self.rt.engine.submit(req)
+            self.rt.scheduler.submit(req)
         except UsageError as exc:
             return _error(400, str(exc))
         self.live[rid] = req
@@ -168,7 +168,7 @@ class WorkerApp:
             await resp.write_eof()
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
-            self.rt.engine.abort(rid)  # the client went away: free its KV
+            self.rt.scheduler.abort(rid)  # the client went away: free its KV
             raise
         finally:
             self.live.pop(rid, None)
@@ -190,7 +190,7 @@ class WorkerApp:
                 loop.call_soon_threadsafe(done.set_result, ev)
 
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        self.rt.engine.submit(Request(f"health-{uuid.uuid4().hex}", [0], params, emit))
+        self.rt.scheduler.submit(Request(f"health-{uuid.uuid4().hex}", [0], params, emit))
         try:
             await asyncio.wait_for(done, 20)
         except TimeoutError:
@@ -209,12 +209,12 @@ class WorkerApp:
         return web.json_response({
             "version": "belayer-engine-0.1", "worker_id": rt.worker_id, "pid": rt.pid,
             "state": rt.state, "device": str(rt.device), "weight_version": rt.weight_version,
-            "max_running_requests": rt.engine.max_running, "page_size": rt.block_size,
+            "max_running_requests": rt.scheduler.max_running, "page_size": rt.block_size,
             "num_blocks": rt.info["kv"]["num_blocks"], "arena_ok": rt.arena_ok,
-            "init_s": rt.init_s, **rt.engine.load()})
+            "init_s": rt.init_s, **rt.scheduler.load()})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.rt.state != "active" or self.rt.engine.flush():
+        if self.rt.state != "active" or self.rt.scheduler.flush():
             return web.json_response({"status": "flushed"})
         return _error(400, "cache not flushed: requests are in flight")
 
@@ -226,12 +226,12 @@ class WorkerApp:
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object with 'rid' or 'abort_all'")
         if body.get("abort_all"):
-            self.rt.engine.abort(None)
+            self.rt.scheduler.abort(None)
             return web.json_response({"aborted": "all"})
         rid = body.get("rid")
         if not isinstance(rid, str):
             return _error(400, "give 'rid' (a string) or 'abort_all': true")
-        self.rt.engine.abort(rid)
+        self.rt.scheduler.abort(rid)
         return web.json_response({"aborted": [rid], "found": rid in self.live})
 
     async def activate(self, request: web.Request) -> web.Response:
@@ -256,7 +256,7 @@ add_arguments = cli_args.worker
 def run(args: argparse.Namespace) -> int:
     fields = {k: v for k, v in vars(args).items() if k in WorkerConfig.model_fields and v is not None}
     cfg = WorkerConfig(**fields)
-    rt = WorkerRuntime(cfg.arena_socket, cfg.worker_id, cfg.shadow, cfg.threads,
+    rt = WorkerState(cfg.arena_socket, cfg.worker_id, cfg.shadow, cfg.threads,
                        cfg.max_running, cfg.max_prefill_tokens, tokenizer_dir=cfg.tokenizer_dir)
     return asyncio.run(_serve(WorkerApp(rt), cfg))
 
@@ -278,7 +278,7 @@ async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m belayer_engine.worker", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m belayer_engine.backends.reference.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     try:

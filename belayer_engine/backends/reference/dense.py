@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
-from belayer_engine import ops
-from belayer_engine.model_config import ModelConfig
+from belayer_engine.backends.reference import ops
+from belayer_engine.model.config import ModelConfig
 
 
 @torch.inference_mode()

@@ -20,10 +20,9 @@ from pathlib import Path
 import torch
 
 from belayer.errors import ArenaLost
-from belayer_engine.model import kv_shape
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.shm_files import reap_orphans, shm_path  # noqa: F401 - reap_orphans re-exported
-from belayer_engine.weights import torch_dtype, weight_specs
+from belayer_engine.arena.shm_files import reap_orphans, shm_path  # noqa: F401 - reap_orphans re-exported
+from belayer_engine.model.config import ModelConfig, kv_shape
+from belayer_engine.model.weights import torch_dtype, weight_specs
 
 ALIGN = 64
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from belayer_engine import ops
-from belayer_engine.model import Qwen3Model
+from belayer_engine.backends.reference import ops
+from belayer_engine.backends.reference.model import Qwen3Model
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_SIZES = (64, 256, 1024)

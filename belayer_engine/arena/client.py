@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from belayer.errors import ArenaLost
-from belayer_engine import arena_protocol as proto
+from belayer_engine.arena import protocol as proto
 
 
 def _connect(path: str, timeout: float | None) -> socket.socket:

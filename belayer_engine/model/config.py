@@ -89,3 +89,9 @@ class ModelConfig:
         d.pop("qk_norm")
         d["architectures"] = ["Qwen3ForCausalLM" if self.qk_norm else "Qwen2ForCausalLM"]
         return d
+
+
+def kv_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Layout of the KV arena: (layers, k|v, blocks, block_size, kv_heads, head_dim)."""
+    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
+            cfg.head_dim)

@@ -24,11 +24,10 @@ from pathlib import Path
 import aiohttp
 
 from belayer.errors import DeviceUnhealthy, WorkerLost
-
-from .router.table import Endpoint, RoutingTable
-from .supervisor_config import SupervisorConfig
-from .supervisor_procs import Proc, fence
-from .supervisor_slot import Slot, SlotProcesses, started_for
+from belayer_engine.routing import Endpoint, RoutingTable
+from belayer_engine.supervisor.config import SupervisorConfig, make_backend
+from belayer_engine.supervisor.processes import Proc, fence
+from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class Supervisor:
             self._tmp = tempfile.TemporaryDirectory(prefix="belayer-engine-")
             run_dir = Path(self._tmp.name)
         self._session = aiohttp.ClientSession()
-        self._procs = SlotProcesses(cfg, run_dir, self._session)
+        self._procs = SlotProcesses(cfg, make_backend(cfg), run_dir, self._session)
         self.table.add_listener(self._on_router_failure)
         for i in range(cfg.workers):
             slot = Slot(name=f"w{i}", index=i, device=cfg.device_of(i), socket=run_dir / f"arena{i}.sock")
@@ -115,7 +114,7 @@ class Supervisor:
                 continue
             if s.lock.locked() or s.endpoint is None or (self.config.shadow and s.shadow is None):
                 return False
-            if stable and s.activated_at is not None and now - s.activated_at < self.config.unhealthy_window_s:
+            if stable and s.promoted_at is not None and now - s.promoted_at < self.config.unhealthy_window_s:
                 return False
         return True
 
@@ -207,7 +206,7 @@ class Supervisor:
         slot.worker = proc
         slot.endpoint = Endpoint(slot=slot.name, url=proc.url or "", device=slot.device, pid=proc.pid)
         slot.probe_failures = 0
-        await self.table.activate(slot.endpoint)
+        await self.table.put_in_service(slot.endpoint)
         self._event(slot, "routed", pid=proc.pid)
 
     # ------------------------------------------------------------------ detection
@@ -272,8 +271,8 @@ class Supervisor:
             if not await self._arena_ok(slot, await health):
                 await self._cold_restart(slot, "arena unhealthy at handover")
                 return
-            if slot.activated_at is not None and t0 - slot.activated_at < cfg.unhealthy_window_s:
-                await self._exclude(slot, f"replacement failed again {t0 - slot.activated_at:.2f}s after handover: {reason}")
+            if slot.promoted_at is not None and t0 - slot.promoted_at < cfg.unhealthy_window_s:
+                await self._exclude(slot, f"replacement failed again {t0 - slot.promoted_at:.2f}s after handover: {reason}")
                 return
             new, path = await self._take_shadow(slot), "shadow"
             if new is None:
@@ -284,9 +283,9 @@ class Supervisor:
                     await self._exclude(slot, f"no replacement could start: {exc}")
                     return
             await self._route(slot, new)
-            slot.activated_at = time.monotonic()
+            slot.promoted_at = time.monotonic()
             slot.handovers += 1
-            self._event(slot, "handover", path=path, total_s=slot.activated_at - t0)
+            self._event(slot, "handover", path=path, total_s=slot.promoted_at - t0)
             self._rearm(slot)
 
     async def _take_shadow(self, slot: Slot) -> Proc | None:
@@ -300,7 +299,7 @@ class Supervisor:
             return None
         t0 = time.monotonic()
         try:
-            took = await self._procs.activate(shadow)
+            took = await self._procs.promote(shadow)
         except WorkerLost as exc:
             log.warning("slot %s: shadow activation failed (%s); cold start instead", slot.name, exc)
             await fence(shadow, self.config.fence_timeout_s)
@@ -347,7 +346,7 @@ class Supervisor:
         except WorkerLost as exc:
             await self._exclude(slot, f"cold restart failed (ArenaLost): {exc}")
             return
-        slot.activated_at = None
+        slot.promoted_at = None
         self._event(slot, "cold_restart")
         self._rearm(slot)
 
