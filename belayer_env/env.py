@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import docker
@@ -27,7 +28,8 @@ from belayer.errors import InfraError, SandboxLost, UsageError
 from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import SandboxConfig
 from belayer_env.docker_api import connect
-from belayer_env.ownership import SANDBOX_NAME
+from belayer_env.fence import fence, sandbox_containers
+from belayer_env.phases import Phase, PhaseHook
 from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
 from belayer_env.rewards import Reward, ZeroReward
 from belayer_env.sandbox import DockerSandbox
@@ -168,6 +170,13 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self._last_return = time.monotonic()
         return observation, reward, submitted, truncated, info
 
+    def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:
+        """Call ``hook(phase)`` at every named ``Phase`` of this env's captures and restores
+        (boundary 0's fresh sandbox included: ``created``, ``verified``); returns a function
+        that removes it. It runs on the thread doing the work; raising there fails that
+        capture or restore as if its process had crashed (how fault injection uses it)."""
+        return self.checkpointer.hooks.add(hook)
+
     def settle(self, timeout: float = 60.0) -> None:
         """Wait (bounded) for a capture in flight, e.g. before using ``self.sandbox`` directly."""
         self.checkpointer.settle(len(self.trajectory.steps), timeout)
@@ -230,17 +239,15 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _initial_state(self) -> DockerSandbox:
         """Boundary 0: a fresh container from the episode's image plus the task's setup."""
-        hook = self.checkpointer.phase_hook
+        hook = self.checkpointer.hooks
         sandbox = DockerSandbox(self._episode_config, name=self.name, client=self.client)
         try:
-            if hook:
-                hook("created")
+            hook(Phase.CREATED)
             for command in self._setup:
                 result = sandbox.execute(command)
                 if result["returncode"] != 0:
                     raise UsageError(f"task setup failed (exit {result['returncode']}): {command!r}\n{result['output'][-2000:]}")
-            if hook:
-                hook("verified")
+            hook(Phase.VERIFIED)
         except BaseException:
             with contextlib.suppress(Exception):
                 sandbox.close()
@@ -252,22 +259,16 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         if self.sandbox is not None:
             with contextlib.suppress(Exception):
                 self.sandbox.close()
-        if not self.name:
-            return
-        with contextlib.suppress(Exception):
-            for c in self.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.name}"}):
-                if c.get("State") == "paused":  # a capture died while it held the container frozen
-                    with contextlib.suppress(docker.errors.APIError):
-                        self.client.api.unpause(c["Id"])
-                with contextlib.suppress(docker.errors.NotFound):
-                    self.client.api.remove_container(c["Id"], force=True, v=True)
+        if self.name:
+            with contextlib.suppress(Exception):
+                fence(self.client, self.name, background=False)
 
     def _new_name(self) -> str:
         return f"{self._episode_config.name_prefix}-env-{uuid.uuid4().hex[:12]}"
 
     def _name_blocked(self) -> bool:
         try:
-            return bool(self.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.name}"}))
+            return bool(sandbox_containers(self.client, self.name))
         except Exception:  # noqa: BLE001 - daemon trouble: the restore attempts will report it
             return False
 

@@ -14,13 +14,14 @@ checkpoint on Docker's disk (``prestaging``) so a restore skips the unpack; ``wa
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from belayer.errors import CheckpointFailed
-from belayer_env.checkpoint.capture import PhaseHook, full_checkpoint
+from belayer_env.checkpoint.capture import full_checkpoint
 from belayer_env.checkpoint.manifest import Checkpoint
 from belayer_env.checkpoint.prestaging import prestage as prestage_checkpoint
 from belayer_env.checkpoint.store import CheckpointStore
+from belayer_env.phases import Phase, PhaseHook
+from belayer_env.protocol import Sandbox
 
 
 class _Cancelled(Exception):
@@ -30,7 +31,7 @@ class _Cancelled(Exception):
 class PendingCheckpoint:
     """Handle of a checkpoint running on a thread."""
 
-    def __init__(self, sandbox: Any, store: CheckpointStore, step: int, runtime: bool,
+    def __init__(self, sandbox: Sandbox, store: CheckpointStore, step: int | None, runtime: bool,
                  phase_hook: PhaseHook | None, prestage: bool = True):
         self.thawed = threading.Event()
         self.prestaged = threading.Event()
@@ -47,13 +48,13 @@ class PendingCheckpoint:
                                         daemon=True, name=f"belayer-checkpoint-{sandbox.name}")
         self._thread.start()
 
-    def _hook(self, phase: str) -> None:
+    def _hook(self, phase: Phase) -> None:
         if self._cancel.is_set():
             raise _Cancelled(f"cancelled before {phase}")
         if self._user_hook is not None:
             self._user_hook(phase)
 
-    def _run(self, sandbox: Any, step: int, runtime: bool) -> None:
+    def _run(self, sandbox: Sandbox, step: int | None, runtime: bool) -> None:
         try:
             ck = full_checkpoint(sandbox, self._store, step, runtime=runtime,
                                  phase_hook=self._hook, _thawed=self.thawed, _abort=self._abort)
@@ -102,7 +103,7 @@ class PendingCheckpoint:
         return self._finished.is_set()
 
 
-def start_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime: bool = True,
+def start_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None = None, *, runtime: bool = True,
                      phase_hook: PhaseHook | None = None, prestage: bool = True) -> PendingCheckpoint:
     """Start ``full_checkpoint`` on a background thread; see ``PendingCheckpoint``.
 

@@ -14,7 +14,7 @@ import json
 import shlex
 from typing import Any
 
-from belayer_env.inspect import tree_hash
+from belayer_env.treehash import tree_hash
 
 PORT = 7000
 SERVER = f"""
