@@ -23,11 +23,13 @@ from belayer_env.checkpoint import (
     full_restore,
     start_checkpoint,
 )
+from belayer_env.checkpoint.prestaging import discard_copies
 from belayer_env.phases import PhaseHooks
 from belayer_env.policy import CheckpointPolicy
 from belayer_env.sandbox import DockerSandbox
 
 CANCEL_THAW_S = 10.0
+PRESTAGE_STOP_S = 30.0
 LIVENESS_EVERY_S = 0.5
 Recorder = Callable[..., Any]  # Trajectory.record
 
@@ -47,6 +49,8 @@ class Checkpointer:
         self.store = CheckpointStore(self.directory, keep=None)
         self.ready: list[Checkpoint] = []  # of the current branch, oldest first
         self._pending: PendingCheckpoint | None = None
+        self._prestaging: list[PendingCheckpoint] = []  # collected; their pre-staging may still run
+        self._client: docker.DockerClient | None = None
         self._pending_sandbox: DockerSandbox | None = None
         self._pending_step = 0
         self._pending_started = 0.0
@@ -60,6 +64,7 @@ class Checkpointer:
         if self._pending is not None or not self.policy.should_checkpoint(step):
             return False
         self._pending = start_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
+        self._client = sandbox.client
         self._pending_step, self._pending_started = step, time.monotonic()
         self._pending_sandbox = sandbox
         self._waited_for = False
@@ -132,6 +137,7 @@ class Checkpointer:
             self.record("checkpoint_failed", at_step=step)
             return
         self.ready.append(ckpt)
+        self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()] + [pending]
         self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
         self.policy.observe_ready(ckpt.step)
         self.record("checkpoint_ready", at_step=ckpt.step)
@@ -142,8 +148,17 @@ class Checkpointer:
             self._remove(self.ready.pop(0))
 
     def _remove(self, ckpt: Checkpoint) -> None:
+        """Remove a checkpoint and its pre-staged copy on Docker's disk (one still being
+        made is stopped first), so nothing of it outlives the env."""
+        for p in self._prestaging:
+            if p.checkpoint is not None and p.checkpoint.id == ckpt.id:
+                p.stop_prestage(PRESTAGE_STOP_S)
+        self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()]
         with contextlib.suppress(Exception):
             self.store.remove(ckpt.id)
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                discard_copies(self._client, ckpt.id)
 
     # ------------------------------------------------------------------ restore
 

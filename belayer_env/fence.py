@@ -66,6 +66,8 @@ def fence(client: docker.DockerClient, sandbox_name: str, *, background: bool = 
         thaw(client, c["Id"], paused=c.get("State") == "paused")
     for c in found:
         remove(client, c["Id"])
+    for c in found:
+        _wait_gone(client, c["Id"], sandbox_name)
     return [c["Id"] for c in found]
 
 
@@ -109,6 +111,16 @@ def remove(client: docker.DockerClient, container_id: str) -> None:
 def remove_quietly(client: docker.DockerClient, container_id: str) -> None:
     with contextlib.suppress(Exception):
         remove(client, container_id)
+
+
+def _wait_gone(client: docker.DockerClient, cid: str, sandbox_name: str) -> None:
+    """Bounded wait for a removal Docker reported as already in progress."""
+    deadline = time.monotonic() + STOPPED_TIMEOUT_S
+    with translate_errors(f"fence sandbox {sandbox_name}"):
+        while client.api.containers(all=True, filters={"id": cid}):
+            if time.monotonic() > deadline:
+                raise SandboxLost(f"could not fence container {cid[:12]} of sandbox {sandbox_name}: not removed")
+            time.sleep(0.02)
 
 
 def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str) -> bool:

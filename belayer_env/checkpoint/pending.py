@@ -13,11 +13,13 @@ checkpoint on Docker's disk (``prestaging``) so a restore skips the unpack; ``wa
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from belayer.errors import CheckpointFailed
 from belayer_env.checkpoint.capture import full_checkpoint
 from belayer_env.checkpoint.manifest import Checkpoint
+from belayer_env.checkpoint.prestaging import discard_copies
 from belayer_env.checkpoint.prestaging import prestage as prestage_checkpoint
 from belayer_env.checkpoint.store import CheckpointStore
 from belayer_env.phases import Phase, PhaseHook
@@ -40,6 +42,8 @@ class PendingCheckpoint:
         self._prestage = prestage
         self._cancel = threading.Event()
         self._abort = threading.Event()
+        self._stop_prestage = threading.Event()
+        self._delivered = False
         self._store = store
         self._user_hook = phase_hook
         self._result: Checkpoint | None = None
@@ -67,15 +71,40 @@ class PendingCheckpoint:
         finally:
             self.thawed.set()
         try:
-            if self._result is not None and self._prestage:
+            if self._result is not None and self._prestage and not self._prestage_stopped():
                 # registered as in flight before wait() returns: a restore of it waits for
                 # the staged copy rather than unpacking a second time
-                prestage_checkpoint(self._result, sandbox.client, _started=self._finished.set)
+                prestage_checkpoint(self._result, sandbox.client, phase_hook=self._prestage_hook,
+                                    _started=self._finished.set)
         except Exception:  # noqa: BLE001, S110 - best effort: a restore then unpacks itself
             pass
         finally:
+            if self._result is not None and self._prestage_stopped():
+                with contextlib.suppress(Exception):
+                    discard_copies(sandbox.client, self._result.id)
+                if self._cancel.is_set() and not self._delivered:  # cancelled after publish: unused
+                    with contextlib.suppress(Exception):
+                        self._store.remove(self._result.id)
             self._finished.set()
             self.prestaged.set()
+
+    def _prestage_stopped(self) -> bool:
+        return self._stop_prestage.is_set() or self._cancel.is_set()
+
+    def _prestage_hook(self, phase: Phase) -> None:
+        if self._prestage_stopped():
+            raise _Cancelled(f"pre-staging stopped before {phase}")
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The published checkpoint once there is one (None before, or if it failed)."""
+        return self._result
+
+    def stop_prestage(self, timeout: float) -> bool:
+        """Stop the pre-staging after publish and remove its copy (the checkpoint is going
+        away); True once it has ended, False if it is still running after ``timeout``."""
+        self._stop_prestage.set()
+        return self.prestaged.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> Checkpoint | None:
         """The published checkpoint; None if cancelled; re-raises ``CheckpointFailed``."""
@@ -87,6 +116,7 @@ class PendingCheckpoint:
             if isinstance(self._error, CheckpointFailed):
                 raise self._error
             raise CheckpointFailed(str(self._error)) from self._error
+        self._delivered = self._result is not None
         return self._result
 
     def cancel(self) -> None:

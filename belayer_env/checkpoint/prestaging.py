@@ -150,6 +150,22 @@ def staged_copies(client: docker.DockerClient, sandbox: str | None = None) -> li
     return _copies(docker_tmp(client), sandbox)
 
 
+def discard_copies(client: docker.DockerClient, ck_id: str) -> list[Path]:
+    """Remove this process's staged copies of checkpoint ``ck_id`` (it is going away)."""
+    tmp = docker_tmp(client)
+    gone = []
+    with contextlib.suppress(OSError):
+        for d in tmp.glob(f"{STAGED}{ck_id}~{owner_tag()}"):
+            trash = tmp / f"{PREFIX}{uuid.uuid4().hex[:12]}~{owner_tag()}"
+            try:
+                d.rename(trash)  # out of a restore's sight first: never half removed
+            except OSError:
+                continue  # claimed by a restore meanwhile: it consumes the copy
+            shutil.rmtree(trash, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
 def clean_dead_staging(tmp: Path) -> None:
     """Remove what restores and prestages killed mid-way (or their staged copies) left."""
     with contextlib.suppress(OSError):

@@ -3,11 +3,13 @@
 Order: read the manifest -> claim a copy pre-staged against exactly this manifest
 (``prestaging``: unpacked + verified ahead of time) or else, on two threads, unpack the
 layer and link/copy the CRIU images onto Docker's disk, checking every byte against the
-manifest -> meanwhile fence every container of that sandbox (killed, renamed aside;
-removed after the restore) and create a container with the same settings and the exact
-image the checkpoint was taken on -> rename the verified layer into its (empty) upperdir
-and the images into its checkpoint directory -> start from the checkpoint -> check it runs.
-Nothing is started from bytes that disagree with the manifest. A checkpoint without
+manifest -> only once every artifact is verified, fence every container of that sandbox
+(killed, renamed aside; removed after the restore) and create a container with the same
+settings and the exact image the checkpoint was taken on -> rename the verified layer
+into its (empty) upperdir and the images into its checkpoint directory -> start from the
+checkpoint -> check it runs. Nothing is started from bytes that disagree with the
+manifest, and a corrupt or incomplete checkpoint (``RestoreFailed`` naming the artifact)
+leaves a live sandbox of that name untouched. A checkpoint without
 runtime state, or whose runtime CRIU refuses, is restored file-system-only only when the
 caller passes ``allow_degraded=True``; the result then says ``.degraded = True``.
 """
@@ -60,14 +62,17 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         fs = _Staged.ready(ck, "file-system layer", staged / "layer")
         images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
     else:
-        # unpack + verify both artifacts on Docker's disk while the old container is fenced
-        # and the new one created; each is then moved into place with one rename
+        # unpack + verify both artifacts on Docker's disk, side by side; each is then moved
+        # into place with one rename
         fs = _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
             Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
         images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
             Path(ck.path), data["files"], d)) if ck.has_runtime else None
     cid, fenced, degraded = None, [], not ck.has_runtime
     try:
+        for part in (fs, images):
+            if part is not None:
+                part.verified()  # before anything touches the sandbox of that name
         fenced = fence.kill(client, ck.sandbox)
         cid = _create(client, ck, data)
         hook(Phase.CREATED)
@@ -143,13 +148,18 @@ class _Staged:
         except BaseException as e:  # noqa: BLE001 - reported by move_to
             self.error = e
 
-    def move_to(self, dest: Path) -> None:
-        """Put the verified content at ``dest`` (an empty dir there is replaced)."""
+    def verified(self) -> None:
+        """Wait for the unpack; ``RestoreFailed`` naming the artifact if it disagreed with
+        the manifest (or was missing)."""
         if self._thread is not None:
             self._thread.join()
         if self.error is not None:
             raise RestoreFailed(f"checkpoint {self.ck.id}: {self.what} unusable: {_short(self.error)}",
                                 checkpoint=self.ck.id) from self.error
+
+    def move_to(self, dest: Path) -> None:
+        """Put the verified content at ``dest`` (an empty dir there is replaced)."""
+        self.verified()
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if dest.is_dir():
             dest.rmdir()
