@@ -2,16 +2,16 @@
 
 ``DockerSandbox`` runs commands in a real container; checkpoint/restore and the Gymnasium
 ``RecoverableSandboxEnv`` build on it. Names resolve lazily so importing the package stays
-cheap and a missing optional part never breaks the others.
+cheap (``import belayer_env`` does not load the checkpoint mechanism or the env).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from typing import Any
 
 from belayer_env.config import SandboxConfig
+from belayer_env.registration import register_envs
 from belayer_env.sandbox import DockerSandbox
 
 _LAZY = {
@@ -19,7 +19,10 @@ _LAZY = {
     "CheckpointStore": "belayer_env.checkpoint",
     "full_checkpoint": "belayer_env.checkpoint",
     "full_restore": "belayer_env.checkpoint",
+    "fence": "belayer_env.fence",
+    "Phase": "belayer_env.phases",
     "RecoverableSandboxEnv": "belayer_env.env",
+    "Sandbox": "belayer_env.protocol",
 }
 
 __all__ = ["DockerSandbox", "SandboxConfig", *_LAZY]
@@ -33,7 +36,4 @@ def __getattr__(name: str) -> Any:
 
 # Gymnasium >= 1.0 no longer loads `gymnasium.envs` entry points, so register on import:
 # `import belayer_env; gymnasium.make("belayer/Sandbox-v0")` (issue 4).
-with contextlib.suppress(ImportError):
-    from belayer_env.registration import register_envs
-
-    register_envs()
+register_envs()

@@ -1,8 +1,7 @@
 """The env's side of checkpointing: one capture in flight, the ready list, restore fallbacks.
 
-The mechanism (``belayer_env.checkpoint``: full_checkpoint / full_restore) is imported
-lazily: without it, the env still recovers, from the initial state. Decisions are the
-policy's; this class only carries them out and reports timings back to it.
+The mechanism is ``belayer_env.checkpoint`` (start_checkpoint / full_restore). Decisions
+are the policy's; this class only carries them out and reports timings back to it.
 """
 
 from __future__ import annotations
@@ -14,22 +13,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import docker
+
 from belayer.errors import CheckpointFailed, InfraError, RestoreFailed, SandboxLost
+from belayer_env.checkpoint import (
+    Checkpoint,
+    CheckpointStore,
+    PendingCheckpoint,
+    full_restore,
+    start_checkpoint,
+)
+from belayer_env.checkpoint.prestaging import discard_copies
+from belayer_env.phases import PhaseHooks
 from belayer_env.policy import CheckpointPolicy
 from belayer_env.sandbox import DockerSandbox
 
 CANCEL_THAW_S = 10.0
+PRESTAGE_STOP_S = 30.0
 LIVENESS_EVERY_S = 0.5
-PhaseHook = Callable[[str], None]
 Recorder = Callable[..., Any]  # Trajectory.record
-
-
-def _checkpoint_api() -> Any | None:
-    try:
-        from belayer_env import checkpoint
-    except ImportError:
-        return None
-    return checkpoint if hasattr(checkpoint, "start_checkpoint") else None
 
 
 class Checkpointer:
@@ -40,32 +42,29 @@ class Checkpointer:
         self.runtime = runtime
         self.allow_degraded = allow_degraded
         self.keep = keep
-        self.phase_hook: PhaseHook | None = None
-        """Called at the mechanism's named phases (fault injection sets it)."""
-        self.api = _checkpoint_api()
+        self.hooks = PhaseHooks()
+        """Called at the mechanism's named phases (``RecoverableSandboxEnv.add_phase_hook``)."""
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="belayer-env-ckpt-")
-        self.store = self.api.CheckpointStore(self.directory, keep=None) if self.api else None
-        self.ready: list[Any] = []  # Checkpoint objects of the current branch, oldest first
-        self._pending: Any | None = None
+        self.store = CheckpointStore(self.directory, keep=None)
+        self.ready: list[Checkpoint] = []  # of the current branch, oldest first
+        self._pending: PendingCheckpoint | None = None
+        self._prestaging: list[PendingCheckpoint] = []  # collected; their pre-staging may still run
+        self._client: docker.DockerClient | None = None
         self._pending_sandbox: DockerSandbox | None = None
         self._pending_step = 0
         self._pending_started = 0.0
         self._waited_for = False  # the step after the capture has waited for its thaw
-
-    @property
-    def available(self) -> bool:
-        return self.store is not None
 
     # ------------------------------------------------------------------ capture
 
     def after_step(self, sandbox: DockerSandbox, step: int) -> bool:
         """Start a background capture of boundary ``step`` if the policy wants one."""
         self.poll(step)
-        if not self.available or self._pending is not None or not self.policy.should_checkpoint(step):
+        if self._pending is not None or not self.policy.should_checkpoint(step):
             return False
-        self._pending = self.api.start_checkpoint(sandbox, self.store, step, runtime=self.runtime,
-                                                  phase_hook=self.phase_hook)
+        self._pending = start_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
+        self._client = sandbox.client
         self._pending_step, self._pending_started = step, time.monotonic()
         self._pending_sandbox = sandbox
         self._waited_for = False
@@ -100,7 +99,7 @@ class Checkpointer:
             self.policy.observe_wait(time.monotonic() - t0)
         self.poll(step)
 
-    def _wait_thaw(self, pending: Any, wait_s: float) -> bool:
+    def _wait_thaw(self, pending: PendingCheckpoint, wait_s: float) -> bool:
         """Wait up to ``wait_s`` for the thaw; False as soon as the frozen sandbox is seen dead
         (a container killed mid-dump never thaws: CRIU and its init wait for each other)."""
         deadline = time.monotonic() + wait_s
@@ -138,6 +137,7 @@ class Checkpointer:
             self.record("checkpoint_failed", at_step=step)
             return
         self.ready.append(ckpt)
+        self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()] + [pending]
         self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
         self.policy.observe_ready(ckpt.step)
         self.record("checkpoint_ready", at_step=ckpt.step)
@@ -147,13 +147,22 @@ class Checkpointer:
         while len(self.ready) > self.keep:
             self._remove(self.ready.pop(0))
 
-    def _remove(self, ckpt: Any) -> None:
+    def _remove(self, ckpt: Checkpoint) -> None:
+        """Remove a checkpoint and its pre-staged copy on Docker's disk (one still being
+        made is stopped first), so nothing of it outlives the env."""
+        for p in self._prestaging:
+            if p.checkpoint is not None and p.checkpoint.id == ckpt.id:
+                p.stop_prestage(PRESTAGE_STOP_S)
+        self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()]
         with contextlib.suppress(Exception):
             self.store.remove(ckpt.id)
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                discard_copies(self._client, ckpt.id)
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, committed: int, *, client: Any, wait_s: float, attempts: int) -> tuple[DockerSandbox, int] | None:
+    def restore(self, committed: int, *, client: docker.DockerClient, wait_s: float, attempts: int) -> tuple[DockerSandbox, int] | None:
         """Restore the newest ready checkpoint at or below ``committed`` into a fresh container.
 
         A checkpoint whose restore fails twice (``RestoreFailed``: corrupt, or the runtime
@@ -174,8 +183,8 @@ class Checkpointer:
                 continue
             tries += 1
             try:
-                sandbox = self.api.full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
-                                                phase_hook=self.phase_hook)
+                sandbox = full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
+                                       phase_hook=self.hooks)
             except RestoreFailed as e:
                 self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
                 failures[ckpt.id] = failures.get(ckpt.id, 0) + 1
@@ -185,7 +194,7 @@ class Checkpointer:
             except InfraError as e:
                 self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
                 continue
-            if getattr(sandbox, "degraded", False):
+            if sandbox.degraded:
                 self.record("degraded_restore", at_step=committed, to_step=ckpt.step)
             return sandbox, ckpt.step
         return None

@@ -15,8 +15,10 @@ events live in ``env.trajectory``.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import docker
@@ -24,10 +26,12 @@ import gymnasium as gym
 from pydantic import BaseModel, ConfigDict, Field
 
 from belayer.errors import InfraError, SandboxLost, UsageError
+from belayer.procfs import read_stat
 from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import SandboxConfig
 from belayer_env.docker_api import connect
-from belayer_env.ownership import SANDBOX_NAME
+from belayer_env.fence import fence, sandbox_containers
+from belayer_env.phases import Phase, PhaseHook
 from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
 from belayer_env.rewards import Reward, ZeroReward
 from belayer_env.sandbox import DockerSandbox
@@ -35,6 +39,9 @@ from belayer_env.spaces import AnyText
 from belayer_env.trajectory import StepRecord, Trajectory
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+OWN_EXITS_TO_END = 2
+"""An action from the same boundary that ends the sandbox from inside this often is the agent's outcome."""
+OWN_EXIT_WAIT_S = 5.0
 OBSERVATION_TEMPLATE = "<returncode>{returncode}</returncode>\n<output>\n{output}</output>"
 
 
@@ -58,6 +65,34 @@ class EnvConfig(BaseModel):
     """Restore attempts per failure before the episode is given up (the error is raised)."""
     pending_wait_s: float = 30.0
     """On failure, how long to wait for a capture still being written (it predates the fault)."""
+
+
+class _OneThread:
+    """Admits one thread at a time into the env; another one gets ``UsageError`` at once.
+
+    Two threads in one env would interleave execs with captures (an exec racing a freeze
+    wedges the container) and corrupt the boundary count; failing fast says so plainly.
+    Re-entry from the same thread (``step`` -> ``step_command``) is fine.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._holder = ""
+
+    @contextlib.contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise UsageError(f"{what}() called while {self._holder} runs on another thread: an env is used by "
+                             "one thread at a time (give each thread its own env)")
+        self._depth += 1
+        if self._depth == 1:
+            self._holder = f"{what}() of thread {threading.current_thread().name!r}"
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            self._lock.release()
 
 
 class RecoverableSandboxEnv(gym.Env[str, str]):
@@ -89,12 +124,19 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self._last_return = time.monotonic()
         self.last_result: dict[str, Any] = {}
         """The sandbox's raw result of the last committed step (output, returncode)."""
+        self._one_thread = _OneThread()
+        self._own_exits: dict[int, int] = {}  # boundary -> times an action from it ended the sandbox
 
     # ------------------------------------------------------------------ gymnasium API
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         """Fresh sandbox (``options``: ``task`` text, ``setup`` command(s), ``image``)."""
+        with self._one_thread("reset"):
+            return self._reset(seed, options)
+
+    def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict]:
         super().reset(seed=seed)
+        self._own_exits = {}
         options = dict(options or {})
         self._done = True  # until the new sandbox is ready
         self.checkpointer.reset()
@@ -125,6 +167,11 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                      checkpoint: bool = True) -> tuple[str, float, bool, bool, dict]:
         """``step`` with mini-swe-agent's per-call ``cwd``/``timeout``; ``checkpoint=False``
         keeps this boundary out of the checkpoint policy (e.g. mid-way through a message)."""
+        with self._one_thread("step"):
+            return self._step(action, cwd, timeout, checkpoint)
+
+    def _step(self, action: str, cwd: str, timeout: float | None,
+              checkpoint: bool) -> tuple[str, float, bool, bool, dict]:
         if self._done or self.sandbox is None:
             raise UsageError("the episode is over (or was never started): call reset() first")
         if not isinstance(action, str):
@@ -148,6 +195,12 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                 submission = output.lstrip().split("\n", 1)[1] if "\n" in output.lstrip() else ""
                 reward = float(self.reward_fn(self.sandbox, self.trajectory, submission))
         except InfraError as e:
+            code = self._own_exit() if isinstance(e, SandboxLost) else None
+            if code is not None:
+                self._own_exits[k] = self._own_exits.get(k, 0) + 1
+                self._record("sandbox_exited", at_step=k, error=e, exit_code=code)
+                if self._own_exits[k] >= OWN_EXITS_TO_END:
+                    return self._ended_by_action(action, k, code, time.monotonic() - called, gen_s)
             return self._recover(e, k)
         exec_s = time.monotonic() - called
         self.last_result = result
@@ -168,17 +221,66 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self._last_return = time.monotonic()
         return observation, reward, submitted, truncated, info
 
+    def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:
+        """Call ``hook(phase)`` at every named ``Phase`` of this env's captures and restores
+        (boundary 0's fresh sandbox included: ``created``, ``verified``); returns a function
+        that removes it. It runs on the thread doing the work; raising there fails that
+        capture or restore as if its process had crashed (how fault injection uses it)."""
+        return self.checkpointer.hooks.add(hook)
+
     def settle(self, timeout: float = 60.0) -> None:
         """Wait (bounded) for a capture in flight, e.g. before using ``self.sandbox`` directly."""
-        self.checkpointer.settle(len(self.trajectory.steps), timeout)
+        with self._one_thread("settle"):
+            self.checkpointer.settle(len(self.trajectory.steps), timeout)
 
     def close(self) -> None:
         """Remove the sandbox container and every checkpoint this env made (idempotent)."""
-        self.checkpointer.close()
+        with self._one_thread("close"):
+            self.checkpointer.close()
+            self._fence()
+            self.sandbox = None
+            self._done = True
+            super().close()
+
+    # ------------------------------------------------------------------ an action that ends the sandbox
+
+    def _own_exit(self) -> int | None:
+        """The container's exit code when its init exited by itself (e.g. the action ran
+        ``kill -TERM 1``): not killed by a signal (>= 128), not OOM-killed. None otherwise,
+        including a container still running (a broken transport, say)."""
+        if self.sandbox is None:
+            return None
+        deadline = time.monotonic() + OWN_EXIT_WAIT_S
+        try:
+            while True:
+                state = self.client.api.inspect_container(self.sandbox.container_id)["State"]
+                if not state.get("Running"):
+                    break
+                init = read_stat(state.get("Pid") or 0)
+                if (init is not None and init.running) or time.monotonic() > deadline:
+                    return None
+                time.sleep(0.02)  # the init is exiting: Docker records the exit a moment later
+        except Exception:  # noqa: BLE001 - gone or unreadable: no evidence, treat as infra
+            return None
+        code = state.get("ExitCode")
+        if state.get("OOMKilled") or not isinstance(code, int) or not 0 <= code < 128:
+            return None
+        return code
+
+    def _ended_by_action(self, action: str, k: int, code: int, exec_s: float,
+                         gen_s: float) -> tuple[str, float, bool, bool, dict]:
+        """Actions from boundary ``k`` ended the sandbox from inside again: that is the
+        agent's outcome (terminal), not an infrastructure failure to roll back forever."""
+        self.checkpointer.before_fence(k)
         self._fence()
         self.sandbox = None
         self._done = True
-        super().close()
+        output = f"[belayer: the command ended the sandbox itself (its init exited with code {code}); the episode is over]\n"
+        observation = self.config.observation_template.format(returncode=code, output=output)
+        self.trajectory.commit(StepRecord(step=k + 1, action=action, observation=observation, returncode=None,
+                                          exec_s=exec_s, gen_s=gen_s, regenerated=self.trajectory.recovered))
+        info = {"belayer": {"step": k + 1, "sandbox_exited": {"exit_code": code, "times": self._own_exits[k]}}}
+        return observation, 0.0, True, False, info
 
     # ------------------------------------------------------------------ recovery
 
@@ -230,17 +332,15 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _initial_state(self) -> DockerSandbox:
         """Boundary 0: a fresh container from the episode's image plus the task's setup."""
-        hook = self.checkpointer.phase_hook
+        hook = self.checkpointer.hooks
         sandbox = DockerSandbox(self._episode_config, name=self.name, client=self.client)
         try:
-            if hook:
-                hook("created")
+            hook(Phase.CREATED)
             for command in self._setup:
                 result = sandbox.execute(command)
                 if result["returncode"] != 0:
                     raise UsageError(f"task setup failed (exit {result['returncode']}): {command!r}\n{result['output'][-2000:]}")
-            if hook:
-                hook("verified")
+            hook(Phase.VERIFIED)
         except BaseException:
             with contextlib.suppress(Exception):
                 sandbox.close()
@@ -248,26 +348,23 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         return sandbox
 
     def _fence(self) -> None:
-        """Kill and remove every container of this episode's sandbox name (the dead one too)."""
-        if self.sandbox is not None:
+        """Kill and remove every container of this episode's sandbox name (the dead one too).
+
+        Not ``sandbox.close()`` first: on a wedged container that blocks in Docker; the
+        fence thaws it before it asks Docker for anything about it."""
+        if self.name:
+            with contextlib.suppress(Exception):
+                fence(self.client, self.name, background=False)
+        elif self.sandbox is not None:
             with contextlib.suppress(Exception):
                 self.sandbox.close()
-        if not self.name:
-            return
-        with contextlib.suppress(Exception):
-            for c in self.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.name}"}):
-                if c.get("State") == "paused":  # a capture died while it held the container frozen
-                    with contextlib.suppress(docker.errors.APIError):
-                        self.client.api.unpause(c["Id"])
-                with contextlib.suppress(docker.errors.NotFound):
-                    self.client.api.remove_container(c["Id"], force=True, v=True)
 
     def _new_name(self) -> str:
         return f"{self._episode_config.name_prefix}-env-{uuid.uuid4().hex[:12]}"
 
     def _name_blocked(self) -> bool:
         try:
-            return bool(self.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.name}"}))
+            return bool(sandbox_containers(self.client, self.name))
         except Exception:  # noqa: BLE001 - daemon trouble: the restore attempts will report it
             return False
 

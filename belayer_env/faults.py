@@ -1,6 +1,10 @@
-"""Real fail-stop faults against a live sandbox (no mocks): the primitives FaultInjection fires.
+"""Real fail-stop faults against a live env's sandbox (no mocks): the one mechanism.
 
-Each function acts on the env's *current* container at the moment it fires, so a fault
+``FaultInjector`` fires them into a ``RecoverableSandboxEnv``: now, after a delay (on a
+timer thread), or armed at a named ``Phase`` of the next capture / restore (through the
+env's ``add_phase_hook``). The consistency harness plans faults with it and the
+Gymnasium wrapper ``wrappers.fault_injection.FaultInjection`` is a thin layer over it.
+A fault acts on the env's *current* container at the moment it fires, so a fault
 scheduled during an action hits whatever container runs it (including a restored one).
 """
 
@@ -10,21 +14,29 @@ import contextlib
 import os
 import signal
 import socket
-from typing import Any, Literal
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Literal
 
 import docker
 import requests
 
-from belayer.errors import SandboxLost
+from belayer.errors import InfraError, SandboxLost
+from belayer_env.fence import sandbox_containers
+from belayer_env.phases import Operation, Phase
+
+if TYPE_CHECKING:
+    from belayer_env.env import RecoverableSandboxEnv
 
 # a fault aimed at a container that is already gone, or a daemon too slow to answer, is a
 # fault that did not fire: it must never crash the thread that injects it
 _DAEMON_ERRORS = (docker.errors.APIError, requests.exceptions.RequestException)
 
 FaultKind = Literal["kill", "oom", "kill_processes", "break_transport", "checkpoint_fail", "restore_fail"]
-ACTION_FAULTS: tuple[FaultKind, ...] = ("kill", "oom", "kill_processes", "break_transport")
-CHECKPOINT_PHASES = ("frozen", "runtime_dumped", "layer_captured", "thawed", "written", "published")
-RESTORE_PHASES = ("created", "layer_installed", "started", "verified")
+ActionFault = Literal["kill", "oom", "kill_processes", "break_transport"]
+ACTION_FAULTS: tuple[ActionFault, ...] = ("kill", "oom", "kill_processes", "break_transport")
+How = Literal["kill", "raise"]
+"""How an armed phase fails: the sandbox's containers are killed, or the phase raises."""
 
 
 class InjectedFault(SandboxLost):
@@ -104,3 +116,78 @@ def _fileno(s: Any) -> int:
         return getattr(s, "_sock", s).fileno()
     except (OSError, AttributeError):
         return -1
+
+
+class FaultInjector:
+    """Fires real faults into ``env``; ``injected`` lists what fired (a dict per fault).
+
+    ``context`` (optional) adds fields to every record (e.g. the wrapper's step count).
+    """
+
+    def __init__(self, env: RecoverableSandboxEnv, context: dict[str, Any] | None = None):
+        self.env = env
+        self.context = context if context is not None else {}
+        self.injected: list[dict[str, Any]] = []
+        self._breaker = TransportBreaker(env.client)
+        self._timers: list[threading.Timer] = []
+        self._armed: dict[Operation, tuple[Phase, How]] = {}
+        self._remove_hook = env.add_phase_hook(self._on_phase)
+
+    def fire(self, kind: ActionFault, delay_s: float = 0.0) -> None:
+        """Fire ``kind`` at the env's current container now, or ``delay_s`` later on a timer."""
+        if delay_s <= 0:
+            self._fire_now(kind)
+            return
+        timer = threading.Timer(delay_s, self._fire_now, args=(kind,))
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def arm(self, operation: Operation, phase: Phase | str, how: How = "kill") -> None:
+        """Fail the next ``operation`` ("checkpoint" or "restore") when it reaches ``phase``."""
+        self._armed[operation] = (Phase(phase), how)
+
+    def disarm(self) -> None:
+        self._armed.clear()
+
+    def cancel(self) -> None:
+        """Cancel the timers not yet fired and wait (bounded) for any firing now."""
+        for t in self._timers:
+            t.cancel()
+            t.join(timeout=5)
+        self._timers = []
+
+    def close(self) -> None:
+        self.cancel()
+        self.disarm()
+        self._remove_hook()
+
+    def _fire_now(self, kind: ActionFault) -> None:
+        sandbox = self.env.sandbox
+        if sandbox is None:
+            return
+        client, cid = self.env.client, sandbox.container_id
+        self.injected.append({"kind": kind, **self.context, "container": cid[:12], "time": time.time()})
+        if kind == "kill":
+            kill_container(client, cid)
+        elif kind == "oom":
+            oom_container(client, cid)
+        elif kind == "kill_processes":
+            kill_processes(client, cid)
+        elif kind == "break_transport":
+            self._breaker.break_all()
+
+    def _on_phase(self, phase: Phase) -> None:
+        op = phase.operation
+        armed = self._armed.get(op)
+        if armed is None or armed[0] != phase:
+            return
+        del self._armed[op]
+        how = armed[1]
+        self.injected.append({"kind": f"{op}_fail", "phase": str(phase), "how": how, **self.context,
+                              "time": time.time()})
+        if how == "raise":
+            raise InjectedFault(f"injected fail-stop during {op} at phase '{phase}'")
+        with contextlib.suppress(*_DAEMON_ERRORS, InfraError):
+            for c in sandbox_containers(self.env.client, self.env.name):
+                kill_container(self.env.client, c["Id"])

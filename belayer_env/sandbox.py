@@ -22,6 +22,7 @@ from docker.utils.socket import frames_iter
 from pydantic import ValidationError
 
 from belayer.errors import ConfigError, InvalidAction, SandboxLost, UsageError
+from belayer.procfs import read_stat
 from belayer_env.config import SandboxConfig
 from belayer_env.docker_api import connect, translate_errors
 from belayer_env.output import OutputCollector
@@ -307,19 +308,8 @@ def _process_alive(pid: int) -> bool:
         return False
     if not os.path.isdir("/proc/1"):
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session tty tpgid flags ...
-    return fields[0] not in "ZX" and not int(fields[6]) & _PF_EXITING
-
-
-_PF_EXITING = 0x4
-"""A task in do_exit: e.g. an init killed while frozen, still waiting for its namespace."""
+    stat = read_stat(pid)
+    return stat is not None and stat.running
 
 
 class _StreamReader:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 EventKind = Literal["rollback", "checkpoint_ready", "checkpoint_failed", "checkpoint_abandoned",
-                    "restore_failed", "degraded_restore"]
+                    "restore_failed", "degraded_restore", "sandbox_exited"]
 
 
 class StepRecord(BaseModel):
@@ -37,6 +37,8 @@ class InfraEvent(BaseModel):
     """Exception type name (the recovery decision keys on it)."""
     message: str | None = None
     discarded_steps: int = 0
+    exit_code: int | None = None
+    """``sandbox_exited``: the code the sandbox's init exited with (an action ended it from inside)."""
     time: float = Field(default_factory=time.time)
 
 

@@ -14,9 +14,9 @@ import contextlib
 import ctypes
 import os
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,9 @@ from belayer_env.checkpoint import layer, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, copy_hashed, write_manifest
 from belayer_env.checkpoint.store import CheckpointStore
 from belayer_env.docker_api import translate_errors
+from belayer_env.phases import Phase, PhaseHook, no_hook
+from belayer_env.protocol import Sandbox
 
-PhaseHook = Callable[[str], None]
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -36,22 +37,28 @@ def new_id(sandbox: str, step: int) -> str:
     return f"{sandbox}.{step:06d}.{uuid.uuid4().hex[:8]}"
 
 
-def full_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime: bool = True,
-                    phase_hook: PhaseHook | None = None, _thawed: Any = None, _abort: Any = None) -> Checkpoint:
+def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None = None, *, runtime: bool = True,
+                    phase_hook: PhaseHook | None = None, _thawed: threading.Event | None = None,
+                    _abort: threading.Event | None = None) -> Checkpoint:
     """Checkpoint ``sandbox`` at action boundary ``step``; block until published.
 
-    Raises ``CheckpointFailed`` (nothing published, older checkpoints intact). The sandbox
-    runs again as soon as the frozen part ends, even on failure.
+    Without ``step`` the store numbers it: one past the newest checkpoint of this sandbox
+    in ``store`` (1 for the first). Raises ``CheckpointFailed`` (nothing published, older
+    checkpoints intact). The sandbox runs again as soon as the frozen part ends, even on
+    failure.
     """
-    hook = phase_hook or (lambda _p: None)
-    if not isinstance(step, int) or step < 0:
-        raise UsageError(f"step must be an int >= 0, got {step!r}")
-    ck_id = new_id(sandbox.name, step)
+    hook = phase_hook or no_hook
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise UsageError(f"step must be an int >= 0 (or None: the store numbers it), got {step!r}")
     t0 = time.monotonic()
     phase = "start"
     scratch = staging = None
+    ck_id = f"{sandbox.name} (step {step})"
     try:
         with store.lock(sandbox.name):
+            if step is None:
+                step = store.next_step(sandbox.name)
+            ck_id = new_id(sandbox.name, step)
             if runtime and (why := runtime_unavailable(sandbox)):
                 raise CheckpointFailed(f"runtime checkpoint unavailable: {why}; pass runtime=False for a file-system-only (degraded) checkpoint")
             scratch = store.new_scratch(ck_id)
@@ -62,11 +69,11 @@ def full_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime:
             phase = "thawed"
             if _thawed is not None:
                 _thawed.set()
-            hook("thawed")
+            hook(Phase.THAWED)
             phase = "write"
             staging = store.new_staging(ck_id)
             files = _write_artifacts(scratch, staging)
-            hook("written")
+            hook(Phase.WRITTEN)
             size = sum(f["size"] for f in files.values())
             write_manifest(staging, {
                 "id": ck_id, "sandbox": sandbox.name, "step": step, "created": time.time(),
@@ -77,7 +84,7 @@ def full_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime:
             phase = "publish"
             ck = store.publish(staging, sandbox.name, ck_id)
             staging = None
-            hook("published")
+            hook(Phase.PUBLISHED)
     except BaseException as e:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -94,11 +101,11 @@ def full_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime:
     return ck
 
 
-def runtime_unavailable(sandbox: Any) -> str | None:
+def runtime_unavailable(sandbox: Sandbox) -> str | None:
     return runtime.available(sandbox.container_id)
 
 
-def _inspect(sandbox: Any) -> dict[str, Any]:
+def _inspect(sandbox: Sandbox) -> dict[str, Any]:
     with translate_errors(f"inspect sandbox {sandbox.name}"):
         info = sandbox.client.api.inspect_container(sandbox.container_id)
     if not info["State"].get("Running"):
@@ -116,8 +123,8 @@ def _inspect(sandbox: Any) -> dict[str, Any]:
     return info
 
 
-def _frozen_part(sandbox: Any, info: dict[str, Any], upper: Path, scratch: Path, with_runtime: bool,
-                 hook: PhaseHook, abort: Any = None) -> float:
+def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: Path, with_runtime: bool,
+                 hook: PhaseHook, abort: threading.Event | None = None) -> float:
     """Pause, dump + tar the layer side by side, unpause; return the seconds spent frozen."""
     api, cid = sandbox.client.api, sandbox.container_id
     with translate_errors(f"pause sandbox {sandbox.name}"):
@@ -126,12 +133,12 @@ def _frozen_part(sandbox: Any, info: dict[str, Any], upper: Path, scratch: Path,
     t = time.monotonic()
     tar = None
     try:
-        hook("frozen")
+        hook(Phase.FROZEN)
         tar = layer.Capture(upper, scratch / "layer.tar")
         if with_runtime:
             runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network,
                          abort=abort)
-            hook("runtime_dumped")
+            hook(Phase.RUNTIME_DUMPED)
         try:
             tar.wait()
         except layer.LayerChanged:
@@ -139,7 +146,7 @@ def _frozen_part(sandbox: Any, info: dict[str, Any], upper: Path, scratch: Path,
             # tar racing it sees the tree move. The dump is over now: tar again, still frozen.
             tar = layer.Capture(upper, scratch / "layer.tar")
             tar.wait()
-        hook("layer_captured")
+        hook(Phase.LAYER_CAPTURED)
     finally:
         if tar is not None:
             tar.abort()

@@ -89,25 +89,9 @@ def checkpoint_from_manifest(directory: Path, data: dict[str, Any]) -> Checkpoin
     )
 
 
-def verify_files(directory: Path, data: dict[str, Any]) -> None:
-    """Check every listed file's size and sha256; ``ValueError`` naming the first bad one."""
-    for rel, meta in data["files"].items():
-        path = directory / rel
-        try:
-            with open(path, "rb") as f:
-                size, digest = copy_hashed(f, _Null())
-        except OSError as e:
-            raise ValueError(f"{rel}: {e.strerror or e}") from e
-        check_file(rel, meta, size, digest)
-
-
 def check_file(rel: str, meta: dict[str, Any], size: int, digest: str) -> None:
     if size != meta["size"]:
         raise ValueError(f"{rel}: size {size} != {meta['size']} in the manifest")
     if digest != meta["sha256"]:
         raise ValueError(f"{rel}: sha256 mismatch (corrupt)")
 
-
-class _Null:
-    def write(self, _b: bytes) -> None:
-        pass

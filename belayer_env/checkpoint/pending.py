@@ -13,14 +13,17 @@ checkpoint on Docker's disk (``prestaging``) so a restore skips the unpack; ``wa
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
 
 from belayer.errors import CheckpointFailed
-from belayer_env.checkpoint.capture import PhaseHook, full_checkpoint
+from belayer_env.checkpoint.capture import full_checkpoint
 from belayer_env.checkpoint.manifest import Checkpoint
+from belayer_env.checkpoint.prestaging import discard_copies
 from belayer_env.checkpoint.prestaging import prestage as prestage_checkpoint
 from belayer_env.checkpoint.store import CheckpointStore
+from belayer_env.phases import Phase, PhaseHook
+from belayer_env.protocol import Sandbox
 
 
 class _Cancelled(Exception):
@@ -30,7 +33,7 @@ class _Cancelled(Exception):
 class PendingCheckpoint:
     """Handle of a checkpoint running on a thread."""
 
-    def __init__(self, sandbox: Any, store: CheckpointStore, step: int, runtime: bool,
+    def __init__(self, sandbox: Sandbox, store: CheckpointStore, step: int | None, runtime: bool,
                  phase_hook: PhaseHook | None, prestage: bool = True):
         self.thawed = threading.Event()
         self.prestaged = threading.Event()
@@ -39,6 +42,8 @@ class PendingCheckpoint:
         self._prestage = prestage
         self._cancel = threading.Event()
         self._abort = threading.Event()
+        self._stop_prestage = threading.Event()
+        self._delivered = False
         self._store = store
         self._user_hook = phase_hook
         self._result: Checkpoint | None = None
@@ -47,13 +52,13 @@ class PendingCheckpoint:
                                         daemon=True, name=f"belayer-checkpoint-{sandbox.name}")
         self._thread.start()
 
-    def _hook(self, phase: str) -> None:
+    def _hook(self, phase: Phase) -> None:
         if self._cancel.is_set():
             raise _Cancelled(f"cancelled before {phase}")
         if self._user_hook is not None:
             self._user_hook(phase)
 
-    def _run(self, sandbox: Any, step: int, runtime: bool) -> None:
+    def _run(self, sandbox: Sandbox, step: int | None, runtime: bool) -> None:
         try:
             ck = full_checkpoint(sandbox, self._store, step, runtime=runtime,
                                  phase_hook=self._hook, _thawed=self.thawed, _abort=self._abort)
@@ -66,15 +71,40 @@ class PendingCheckpoint:
         finally:
             self.thawed.set()
         try:
-            if self._result is not None and self._prestage:
+            if self._result is not None and self._prestage and not self._prestage_stopped():
                 # registered as in flight before wait() returns: a restore of it waits for
                 # the staged copy rather than unpacking a second time
-                prestage_checkpoint(self._result, sandbox.client, _started=self._finished.set)
+                prestage_checkpoint(self._result, sandbox.client, phase_hook=self._prestage_hook,
+                                    _started=self._finished.set)
         except Exception:  # noqa: BLE001, S110 - best effort: a restore then unpacks itself
             pass
         finally:
+            if self._result is not None and self._prestage_stopped():
+                with contextlib.suppress(Exception):
+                    discard_copies(sandbox.client, self._result.id)
+                if self._cancel.is_set() and not self._delivered:  # cancelled after publish: unused
+                    with contextlib.suppress(Exception):
+                        self._store.remove(self._result.id)
             self._finished.set()
             self.prestaged.set()
+
+    def _prestage_stopped(self) -> bool:
+        return self._stop_prestage.is_set() or self._cancel.is_set()
+
+    def _prestage_hook(self, phase: Phase) -> None:
+        if self._prestage_stopped():
+            raise _Cancelled(f"pre-staging stopped before {phase}")
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The published checkpoint once there is one (None before, or if it failed)."""
+        return self._result
+
+    def stop_prestage(self, timeout: float) -> bool:
+        """Stop the pre-staging after publish and remove its copy (the checkpoint is going
+        away); True once it has ended, False if it is still running after ``timeout``."""
+        self._stop_prestage.set()
+        return self.prestaged.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> Checkpoint | None:
         """The published checkpoint; None if cancelled; re-raises ``CheckpointFailed``."""
@@ -86,6 +116,7 @@ class PendingCheckpoint:
             if isinstance(self._error, CheckpointFailed):
                 raise self._error
             raise CheckpointFailed(str(self._error)) from self._error
+        self._delivered = self._result is not None
         return self._result
 
     def cancel(self) -> None:
@@ -102,7 +133,7 @@ class PendingCheckpoint:
         return self._finished.is_set()
 
 
-def start_checkpoint(sandbox: Any, store: CheckpointStore, step: int, *, runtime: bool = True,
+def start_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None = None, *, runtime: bool = True,
                      phase_hook: PhaseHook | None = None, prestage: bool = True) -> PendingCheckpoint:
     """Start ``full_checkpoint`` on a background thread; see ``PendingCheckpoint``.
 

@@ -29,12 +29,14 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+
+import docker
 
 from belayer_env.checkpoint import layer, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_alive, owner_tag
 from belayer_env.docker_api import connect, translate_errors
+from belayer_env.phases import Phase, PhaseHook, no_hook
 
 PREFIX = "belayer-restore-"  # what _clean_dead_staging reaps when the owner is gone
 FILLING, STAGED = PREFIX + "prestage-", PREFIX + "staged-"
@@ -46,7 +48,7 @@ _inflight_lock = threading.Lock()
 _ROOTS: dict[int, str] = {}
 
 
-def docker_root(client: Any) -> str:
+def docker_root(client: docker.DockerClient) -> str:
     key = id(client)
     if key not in _ROOTS:
         with translate_errors("docker info"):
@@ -54,11 +56,11 @@ def docker_root(client: Any) -> str:
     return _ROOTS[key]
 
 
-def docker_tmp(client: Any) -> Path:
+def docker_tmp(client: docker.DockerClient) -> Path:
     return Path(docker_root(client)) / "tmp"
 
 
-def prestage(checkpoint: Checkpoint, client: Any = None, *, phase_hook: Callable[[str], None] | None = None,
+def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, *, phase_hook: PhaseHook | None = None,
              _started: Callable[[], None] | None = None) -> Path | None:
     """Unpack + verify ``checkpoint`` into a staging dir on Docker's disk; return it.
 
@@ -70,7 +72,7 @@ def prestage(checkpoint: Checkpoint, client: Any = None, *, phase_hook: Callable
     ck = checkpoint
     if not ck.has_runtime:
         return None
-    hook = phase_hook or (lambda _p: None)
+    hook = phase_hook or no_hook
     done = _begin(ck.id)
     try:
         if _started is not None:
@@ -89,9 +91,9 @@ def prestage(checkpoint: Checkpoint, client: Any = None, *, phase_hook: Callable
         try:
             (work / "layer").mkdir(mode=0o700)
             layer.install(Path(ck.path) / "layer.tar", work / "layer", data["files"]["layer.tar"])
-            hook("layer_unpacked")
+            hook(Phase.LAYER_UNPACKED)
             runtime.install(Path(ck.path), data["files"], work / "images", link=False)  # own bytes
-            hook("images_verified")
+            hook(Phase.IMAGES_VERIFIED)
             (work / RECORD).write_text(json.dumps({"id": ck.id, "sandbox": ck.sandbox, "created": ck.created,
                                                    "path": str(ck.path), "manifest_sha256": digest,
                                                    "staged_at": time.time()}))
@@ -101,7 +103,7 @@ def prestage(checkpoint: Checkpoint, client: Any = None, *, phase_hook: Callable
             return None
         finally:
             shutil.rmtree(work, ignore_errors=True)  # gone already when renamed
-        hook("staged")
+        hook(Phase.STAGED)
         _drop_older(tmp, ck.sandbox)
         return final if final.exists() else None
     finally:
@@ -111,7 +113,7 @@ def prestage(checkpoint: Checkpoint, client: Any = None, *, phase_hook: Callable
                 del _inflight[ck.id]
 
 
-def claim(client: Any, ck: Checkpoint, manifest_sha256: str) -> Path | None:
+def claim(client: docker.DockerClient, ck: Checkpoint, manifest_sha256: str) -> Path | None:
     """Take the staged copy of ``ck`` for one restore (renamed to a private dir), or None.
 
     Waits for a prestage of ``ck`` still running in this process (it is further along
@@ -143,9 +145,25 @@ def claim(client: Any, ck: Checkpoint, manifest_sha256: str) -> Path | None:
     return None
 
 
-def staged_copies(client: Any, sandbox: str | None = None) -> list[Path]:
+def staged_copies(client: docker.DockerClient, sandbox: str | None = None) -> list[Path]:
     """Complete staged copies (of ``sandbox`` if given) in Docker's tmp dir."""
     return _copies(docker_tmp(client), sandbox)
+
+
+def discard_copies(client: docker.DockerClient, ck_id: str) -> list[Path]:
+    """Remove this process's staged copies of checkpoint ``ck_id`` (it is going away)."""
+    tmp = docker_tmp(client)
+    gone = []
+    with contextlib.suppress(OSError):
+        for d in tmp.glob(f"{STAGED}{ck_id}~{owner_tag()}"):
+            trash = tmp / f"{PREFIX}{uuid.uuid4().hex[:12]}~{owner_tag()}"
+            try:
+                d.rename(trash)  # out of a restore's sight first: never half removed
+            except OSError:
+                continue  # claimed by a restore meanwhile: it consumes the copy
+            shutil.rmtree(trash, ignore_errors=True)
+            gone.append(d)
+    return gone
 
 
 def clean_dead_staging(tmp: Path) -> None:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from belayer.procfs import session_members
 from belayer_env.checkpoint.manifest import check_file, copy_hashed
 
 RUNC_ROOT = os.environ.get("BELAYER_RUNC_ROOT", "/run/docker/runtime-runc/moby")
@@ -110,21 +111,6 @@ def kill_session(sid: int) -> list[int]:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
     return killed
-
-
-def session_members(sid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # after ")": state ppid pgrp session
-            members.append(int(entry))
-    return members
 
 
 def _log_tail(log: Path, lines: int = 8) -> str:

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from belayer.errors import CheckpointFailed, CheckpointNotFound, UsageError
+from belayer.procfs import OwnerId
+from belayer.procfs import owner_alive as _label_owner_alive
 from belayer_env.checkpoint.manifest import Checkpoint, checkpoint_from_manifest, read_manifest
-from belayer_env.ownership import process_start_ticks
 
 STAGING, TRASH, LOCKS = ".staging", ".trash", ".locks"
 DEFAULT_SCRATCH = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
@@ -35,18 +36,13 @@ def default_store_path() -> Path:
 
 
 def owner_tag() -> str:
-    """``<pid>-<start ticks>`` of this process: names temporary dirs so orphans are known."""
-    pid = os.getpid()
-    return f"{pid}-{process_start_ticks(pid) or 0}"
+    """This process's ``OwnerId`` label: names temporary dirs (``<name>~<tag>``) so orphans are known."""
+    return OwnerId.current().to_label()
 
 
 def owner_alive(name: str) -> bool:
     """Whether the process named by the ``~<pid>-<ticks>`` suffix of ``name`` still runs."""
-    pid, _, ticks = name.rpartition("~")[2].partition("-")
-    try:
-        return process_start_ticks(int(pid)) == ticks
-    except ValueError:
-        return False
+    return _label_owner_alive(name.rpartition("~")[2])
 
 
 def fsync_dir(path: Path) -> None:
@@ -139,6 +135,12 @@ class CheckpointStore:
             return checkpoint_from_manifest(cdir, read_manifest(cdir))
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointNotFound(f"checkpoint {checkpoint_id!r} has no valid manifest: {e}") from e
+
+    def next_step(self, sandbox: str) -> int:
+        """The number ``full_checkpoint`` gives a checkpoint taken without a step: one past
+        the newest of ``sandbox`` (1 for the first)."""
+        newest = self.latest(sandbox)
+        return 1 if newest is None else newest.step + 1
 
     def total_bytes(self, sandbox: str | None = None) -> int:
         return sum(c.size_bytes for c in self.list(sandbox))

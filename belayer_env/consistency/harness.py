@@ -14,7 +14,6 @@ exactly once. A trial that cannot finish is a counterexample too, never skipped.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -24,17 +23,8 @@ from pydantic import BaseModel, Field
 from belayer.errors import InfraError
 from belayer_env.consistency.workload import ACTIONS, N_STEPS, SETUP, exactly_once_violations, probe
 from belayer_env.env import EnvConfig, RecoverableSandboxEnv
-from belayer_env.faults import (
-    ACTION_FAULTS,
-    CHECKPOINT_PHASES,
-    RESTORE_PHASES,
-    InjectedFault,
-    TransportBreaker,
-    kill_container,
-    kill_processes,
-    oom_container,
-)
-from belayer_env.ownership import SANDBOX_NAME
+from belayer_env.faults import ACTION_FAULTS, FaultInjector
+from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES
 from belayer_env.policy import AlwaysPolicy
 
 Where = Literal["action", "checkpoint", "restore"]
@@ -120,7 +110,7 @@ def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int) -> F
         step = rng.choice([s for s in range(1, N_STEPS) if s % checkpoint_every == 0])
         if rng.random() < 0.5:
             return Fault(where=where, step=step, kind="kill", delay_s=rng.uniform(0, max(golden.capture_s)))
-        return Fault(where=where, step=step, kind=rng.choice(["kill", "raise"]), phase=rng.choice(CHECKPOINT_PHASES))
+        return Fault(where=where, step=step, kind=rng.choice(["kill", "raise"]), phase=rng.choice(CAPTURE_PHASES))
     step = rng.randint(checkpoint_every + 1, N_STEPS)  # a checkpoint exists: a real restore
     phase = rng.choice(RESTORE_PHASES)
     return Fault(where=where, step=step, kind="raise" if phase == "created" else rng.choice(["kill", "raise"]),
@@ -128,74 +118,49 @@ def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int) -> F
 
 
 class _Injector:
-    """Fires one trial's fault into the env at the planned point."""
+    """Places one trial's fault: when to fire it is planned here, firing is ``FaultInjector``'s."""
 
-    def __init__(self, env: RecoverableSandboxEnv, fault: Fault, breaker: TransportBreaker):
-        self.env, self.fault, self.breaker = env, fault, breaker
-        self.timers: list[threading.Timer] = []
-        self._phase_armed = False
+    def __init__(self, env: RecoverableSandboxEnv, fault: Fault):
+        self.fault = fault
+        self.faults = FaultInjector(env)
+        self.env = env
         self._caused = False
-        env.checkpointer.phase_hook = self._hook
 
     def before_call(self, committed: int, call: int) -> None:
         f = self.fault
-        if f.fired or committed + 1 != f.step:
+        if self.fired or committed + 1 != f.step:
             return
         if f.where == "action":
-            self._later(f.delay_s, f.kind)
+            self.faults.fire(f.kind, f.delay_s)  # type: ignore[arg-type]
         elif f.where == "restore" and not self._caused:
             self._caused = True
             self.env.settle()  # let the newest capture publish, so recovery really restores it
-            self._phase_armed = True
-            self._now("kill")  # the action dies at once: recovery must restore...
+            self.faults.arm("restore", f.phase, f.kind)  # type: ignore[arg-type]
+            self.faults.fire("kill")  # the action dies at once: recovery must restore...
 
     def after_call(self, committed: int) -> None:
         f = self.fault
-        if f.fired or f.where != "checkpoint" or committed != f.step:
+        if self.fired or f.where != "checkpoint" or committed != f.step:
             return
         if f.phase is None:
-            self._later(f.delay_s, "kill")  # ...the capture just started on a background thread
+            self.faults.fire("kill", f.delay_s)  # ...the capture just started on a background thread
         else:
-            self._phase_armed = True
+            self.faults.arm("checkpoint", f.phase, f.kind)  # type: ignore[arg-type]
 
-    def _hook(self, phase: str) -> None:
-        f = self.fault
-        if not self._phase_armed or phase != f.phase:
-            return
-        if (f.where == "restore") != (phase in RESTORE_PHASES and phase not in CHECKPOINT_PHASES):
-            return
-        self._phase_armed = False
-        f.fired = True
-        if f.kind == "raise":
-            raise InjectedFault(f"injected fail-stop in {f.where} at {phase}")
-        for c in self.env.client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={self.env.name}"}):
-            kill_container(self.env.client, c["Id"])
-
-    def _later(self, delay_s: float, kind: str) -> None:
-        t = threading.Timer(delay_s, self._now, args=(kind,))
-        t.daemon = True
-        self.timers.append(t)
-        t.start()
-
-    def _now(self, kind: str) -> None:
-        sandbox = self.env.sandbox
-        if sandbox is None:
-            return
-        self.fault.fired = self.fault.fired or self.fault.where != "restore"
-        client, cid = self.env.client, sandbox.container_id
-        {"kill": lambda: kill_container(client, cid), "oom": lambda: oom_container(client, cid),
-         "kill_processes": lambda: kill_processes(client, cid),
-         "break_transport": self.breaker.break_all}[kind]()
+    @property
+    def fired(self) -> bool:
+        """Whether the planned fault fired (a restore fault: the phase failure, not its cause)."""
+        if self.fault.where == "restore":
+            return any(r["kind"] == "restore_fail" for r in self.faults.injected)
+        return bool(self.faults.injected)
 
     def cancel(self) -> None:
-        for t in self.timers:
-            t.cancel()
-            t.join(timeout=5)
+        self.faults.cancel()
 
 
 def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int) -> TrialResult:
     env = _make_env(checkpoint_every)
-    injector = _Injector(env, fault, TransportBreaker(env.client))
+    injector = _Injector(env, fault)
     t0 = time.monotonic()
     result = TrialResult(trial=trial, fault=fault, ok=False)
     state = None
@@ -240,6 +205,8 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int) 
         result.problems.append(f"trial did not finish: {type(e).__name__}: {e}")
         state = None
     finally:
+        result.fault.fired = injector.fired
+        injector.faults.close()
         result.events = [f"{e.kind}@{e.at_step}->{e.to_step}: {e.error}: {(e.message or '')[:160]}"
                          for e in env.trajectory.events]
         env.close()

@@ -14,7 +14,8 @@ import json
 import shlex
 from typing import Any
 
-from belayer_env.inspect import tree_hash
+from belayer_env.protocol import Sandbox
+from belayer_env.treehash import tree_hash
 
 PORT = 7000
 SERVER = f"""
@@ -79,7 +80,7 @@ _PROBE = _PRELUDE + (
 )
 
 
-def probe(sandbox: Any) -> dict[str, Any]:
+def probe(sandbox: Sandbox) -> dict[str, Any]:
     """The state the trial is judged on: runtime (server counter), db, logs, whole-FS hash."""
     result = sandbox.execute(_PROBE, timeout=30)
     state: dict[str, Any] = {"probe_returncode": result["returncode"]}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from belayer.procfs import processes
 from tests.conftest import wait_until
 
 COUNTER = r'''
@@ -140,17 +141,16 @@ def signal_criu_of(container_id: str, sig: int, stop: threading.Event, hit: list
     """Poll /proc for the criu child of `runc checkpoint ... <container_id>` and send it ``sig``
     (a real fault in the middle of a real dump); its pid goes to ``hit``."""
     while not stop.is_set() and not hit:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for proc in processes():
+            if proc.comm != "criu":
+                continue
             try:
-                if Path(f"/proc/{pid}/comm").read_text().strip() != "criu":
-                    continue
-                ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError):
+                parent = Path(f"/proc/{proc.ppid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
                 continue
             if b"checkpoint" in parent and container_id.encode() in parent:
-                os.kill(int(pid), sig)
-                hit.append(int(pid))
+                os.kill(proc.pid, sig)
+                hit.append(proc.pid)
                 return
 
 

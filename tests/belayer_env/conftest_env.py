@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from belayer_env.ownership import SANDBOX_NAME
+from belayer_env.fence import sandbox_containers
 
 INFRA_WORDS = ("SandboxLost", "DaemonUnavailable", "RestoreFailed", "CheckpointFailed", "InjectedFault",
                "Docker", "docker", "container", "Traceback", "OOM", "memory limit")
 
 
 def containers_of(client, name: str) -> list[dict]:
-    return client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={name}"})
+    return sandbox_containers(client, name)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from belayer.errors import CheckpointFailed, RestoreFailed
 from belayer_env.checkpoint import full_checkpoint, full_restore, start_checkpoint
-from belayer_env.inspect import tree_hash
+from belayer_env.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import (
     TRY_LOCK,
     http_get,
@@ -84,7 +84,8 @@ def test_restored_sandbox_checkpoints_and_restores_again(make_sandbox, ck_store,
     start_counter(sb)
     for step in (1, 2, 3):
         sb.execute(f"echo {step} >> /root/steps")
-        ck = full_checkpoint(sb, ck_store, step)
+        ck = full_checkpoint(sb, ck_store)  # no step: the store numbers it, one past the newest
+        assert ck.step == step
         sb = full_restore(ck, client=docker_client)
         assert sb.execute("cat /root/steps")["output"].split() == [str(s) for s in range(1, step + 1)]
         wait_until(lambda s=sb: log_state(s)[1] and log_state(s)[0] > 0, 30, "counter consistent")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from belayer_env.faults import TransportBreaker, kill_container, kill_processes, oom_container
-from belayer_env.inspect import tree_hash
 from belayer_env.policy import AlwaysPolicy
+from belayer_env.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import BIG_PROCESS, criu_signaller
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.conftest import process_alive, wait_until
@@ -168,8 +168,8 @@ def test_container_killed_mid_dump_is_fenced_and_restored(make_env, docker_clien
     assert [c.step for c in env.checkpointer.ready] == [1]
     stop, hit = threading.Event(), []
     sandbox = env.sandbox
-    env.checkpointer.phase_hook = criu_signaller(
-        sandbox.container_id, signal.SIGSTOP, hit, stop, then=lambda: kill_container(docker_client, sandbox.container_id))
+    env.add_phase_hook(criu_signaller(
+        sandbox.container_id, signal.SIGSTOP, hit, stop, then=lambda: kill_container(docker_client, sandbox.container_id)))
     try:
         env.step("echo b >> /log; " + BIG_PROCESS)  # its capture is the one caught mid-dump
         wait_until(lambda: hit, 30, "criu caught mid-dump of boundary 2")

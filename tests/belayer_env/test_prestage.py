@@ -17,7 +17,7 @@ import pytest
 from belayer_env.checkpoint import full_checkpoint, full_restore, prestage, start_checkpoint
 from belayer_env.checkpoint.prestaging import FILLING, docker_tmp, staged_copies
 from belayer_env.checkpoint.store import owner_tag
-from belayer_env.inspect import tree_hash
+from belayer_env.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.belayer_env.test_checkpoint import EXCLUDE, FS_CHANGES
 from tests.conftest import wait_until

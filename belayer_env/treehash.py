@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any
 
 from belayer.errors import SandboxLost
+from belayer_env.protocol import Sandbox
 from belayer_env.sandbox import OUTPUT_DIR
 
 DEFAULT_EXCLUDE = ("/proc", "/sys", "/dev", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf")
@@ -57,7 +57,7 @@ print(h.hexdigest())
 """
 
 
-def tree_hash(sandbox: Any, root: str = "/", exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+def tree_hash(sandbox: Sandbox, root: str = "/", exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
               timeout: float = 120.0) -> str:
     """sha256 (hex) over the tree under ``root`` in ``sandbox``, skipping ``exclude`` paths.
 

@@ -1,0 +1,112 @@
+"""The one reader of ``/proc/PID/stat`` and the one owner-liveness rule (torch-free core).
+
+Anything Belayer leaves behind for a later reaper (containers, staging directories, shared
+memory files) names its owner as an ``OwnerId``: (pid, process start time). A pid alone is
+unsafe: after the owner dies the kernel may hand its pid to an unrelated process, which
+would then seem to own the leftovers forever. The start time (clock ticks since boot,
+field 22 of ``/proc/PID/stat``) tells the two apart.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+PF_EXITING = 0x4
+"""``flags`` bit of a task in do_exit (e.g. an init killed while frozen, waiting for its namespace)."""
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` Belayer uses."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    flags: int
+    start_time: int
+    """Clock ticks after boot at which the process started."""
+
+    @property
+    def running(self) -> bool:
+        """Neither a zombie, dead, nor on its way out."""
+        return self.state not in "ZX" and not self.flags & PF_EXITING
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """``/proc/PID/stat`` parsed, or None when no such process (or it cannot be read)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            text = f.read()
+    except (OSError, ValueError):
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+    head, _, tail = text.rpartition(")")
+    fields = tail.split()
+    try:
+        return ProcStat(pid=int(pid), comm=head.partition("(")[2], state=fields[0], ppid=int(fields[1]),
+                        pgrp=int(fields[2]), session=int(fields[3]), flags=int(fields[6]),
+                        start_time=int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot; None when it does not exist."""
+    stat = read_stat(pid)
+    return None if stat is None else stat.start_time
+
+
+def processes() -> list[ProcStat]:
+    """Every process visible in ``/proc`` (ones that exit while being read are skipped)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := read_stat(int(entry))) is not None:
+            out.append(stat)
+    return out
+
+
+def session_members(sid: int) -> list[int]:
+    """Pids of every process of session ``sid``."""
+    return [p.pid for p in processes() if p.session == sid]
+
+
+@dataclass(frozen=True)
+class OwnerId:
+    """A process, named so that pid reuse cannot impersonate it."""
+
+    pid: int
+    start_time: int
+
+    @classmethod
+    def current(cls) -> OwnerId:
+        pid = os.getpid()
+        return cls(pid, process_start_time(pid) or 0)
+
+    def alive(self) -> bool:
+        """True while this very process (same pid *and* start time) exists."""
+        return process_start_time(self.pid) == self.start_time
+
+    def to_label(self) -> str:
+        """``<pid>-<start ticks>``: safe in file names and Docker labels."""
+        return f"{self.pid}-{self.start_time}"
+
+    @classmethod
+    def from_label(cls, label: str) -> OwnerId | None:
+        """Parse ``to_label``'s text; None when it is not one."""
+        pid, sep, start = label.partition("-")
+        if not sep or not pid.isdigit() or not start.isdigit():
+            return None
+        return cls(int(pid), int(start))
+
+
+def owner_alive(label: str) -> bool:
+    """The rule for a leftover named by ``OwnerId.to_label()``: kept while its owner runs.
+
+    Text that names no owner counts as dead (nothing would ever reap it otherwise).
+    """
+    owner = OwnerId.from_label(label)
+    return owner is not None and owner.alive()

@@ -1,0 +1,149 @@
+"""Fencing a sandbox: once ``fence`` returns, no container of that sandbox name runs.
+
+The one place that finds a sandbox's containers (``sandbox_containers``: by the
+``belayer.sandbox`` label and by name) and kills them. Recovery fences before it
+restores, because the old container may still be running the interrupted action;
+``full_restore`` fences the name it is about to reuse; ``env.close`` fences to clean up.
+
+A container left paused (a capture that died mid-freeze) is thawed first: Docker's
+unpause, bounded by ``UNPAUSE_TIMEOUT_S``, then the freezer cgroup directly when Docker
+does not answer (an exec that raced the pause wedges Docker's view of the container) or
+when its view is stale (cgroup frozen, Docker says running). So a paused container never
+outlives the fence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from typing import Any
+
+import docker
+import requests
+
+from belayer.errors import SandboxLost
+from belayer_env import freezer
+from belayer_env.docker_api import translate_errors
+from belayer_env.ownership import SANDBOX_NAME
+
+UNPAUSE_TIMEOUT_S = 5.0
+STOPPED_TIMEOUT_S = 30.0
+
+
+def sandbox_containers(client: docker.DockerClient, sandbox_name: str, *,
+                       by_name: bool = False) -> list[dict[str, Any]]:
+    """Docker's list entries (``Id``, ``State``, ...) of every container of the sandbox.
+
+    By label; ``by_name`` also finds a container that merely holds the name (not one of
+    ours, but in the way of reusing it). Listing never blocks on a wedged container.
+    """
+    with translate_errors(f"list containers of sandbox {sandbox_name}"):
+        found = {c["Id"]: c for c in client.api.containers(
+            all=True, filters={"label": f"{SANDBOX_NAME}={sandbox_name}"})}
+        if by_name:
+            for c in client.api.containers(all=True, filters={"name": f"^/{sandbox_name}$"}):
+                found.setdefault(c["Id"], c)
+    return [found[k] for k in sorted(found)]
+
+
+def fence(client: docker.DockerClient, sandbox_name: str, *, background: bool = True) -> list[str]:
+    """Kill every container of ``sandbox_name`` (by label and name) and free the name.
+
+    Once this returns, none of them runs and the name is free. ``background=False``
+    removes them before returning. By default they are killed, renamed aside and removed
+    on a background thread (removing a big writable layer takes seconds on a
+    discard-mounted disk; ``belayer gc`` reaps any that a dying process leaves behind).
+    Returns the ids of the containers fenced.
+    """
+    if background:
+        killed = kill(client, sandbox_name)
+        remove_in_background(client, killed)
+        return killed
+    found = sandbox_containers(client, sandbox_name, by_name=True)
+    for c in found:
+        thaw(client, c["Id"], paused=c.get("State") == "paused")
+    for c in found:
+        remove(client, c["Id"])
+    for c in found:
+        _wait_gone(client, c["Id"], sandbox_name)
+    return [c["Id"] for c in found]
+
+
+def kill(client: docker.DockerClient, sandbox_name: str) -> list[str]:
+    """``fence`` without the removal: kill every container of the sandbox and rename it
+    aside (the name is free); returns the ids left to ``remove_in_background``."""
+    found = sandbox_containers(client, sandbox_name, by_name=True)
+    for c in found:
+        thaw(client, c["Id"], paused=c.get("State") == "paused")
+    return [c["Id"] for c in found if _kill_and_rename(client, c["Id"], sandbox_name)]
+
+
+def remove_in_background(client: docker.DockerClient, container_ids: list[str]) -> None:
+    for cid in container_ids:
+        threading.Thread(target=remove_quietly, args=(client, cid), daemon=True,
+                         name=f"belayer-fence-{cid[:12]}").start()
+
+
+def thaw(client: docker.DockerClient, container_id: str, *, paused: bool) -> None:
+    """Unfreeze a container (``paused``: Docker's view). Docker's unpause first, bounded;
+    the freezer cgroup directly when that does not answer or Docker's view is stale."""
+    if paused:
+        with contextlib.suppress(docker.errors.APIError, requests.exceptions.RequestException):
+            api = client.api
+            res = api._post(api._url("/containers/{0}/unpause", container_id), timeout=UNPAUSE_TIMEOUT_S)
+            api._raise_for_status(res)
+    if freezer.is_frozen(container_id) and not freezer.thaw(container_id):
+        raise SandboxLost(f"container {container_id[:12]} stays frozen: its freezer cgroup cannot be thawed")
+
+
+def remove(client: docker.DockerClient, container_id: str) -> None:
+    """Force-remove (kill first) a container; one already gone or being removed is fine."""
+    with contextlib.suppress(docker.errors.NotFound):
+        try:
+            client.api.remove_container(container_id, force=True, v=True)
+        except docker.errors.APIError as e:
+            if "removal of container" not in str(e) and "already in progress" not in str(e):
+                raise
+
+
+def remove_quietly(client: docker.DockerClient, container_id: str) -> None:
+    with contextlib.suppress(Exception):
+        remove(client, container_id)
+
+
+def _wait_gone(client: docker.DockerClient, cid: str, sandbox_name: str) -> None:
+    """Bounded wait for a removal Docker reported as already in progress."""
+    deadline = time.monotonic() + STOPPED_TIMEOUT_S
+    with translate_errors(f"fence sandbox {sandbox_name}"):
+        while client.api.containers(all=True, filters={"id": cid}):
+            if time.monotonic() > deadline:
+                raise SandboxLost(f"could not fence container {cid[:12]} of sandbox {sandbox_name}: not removed")
+            time.sleep(0.02)
+
+
+def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str) -> bool:
+    """SIGKILL (docker waits for the exit) and rename aside; False if already gone."""
+    with translate_errors(f"fence sandbox {sandbox_name}"):
+        try:
+            info = client.api.inspect_container(cid)
+            if info["State"].get("Running"):
+                client.api.kill(cid)
+            if not info["Name"].lstrip("/").startswith(f"{sandbox_name}-fenced-"):
+                client.api.rename(cid, f"{sandbox_name}-fenced-{uuid.uuid4().hex[:8]}")
+        except docker.errors.NotFound:
+            return False
+        except docker.errors.APIError:
+            remove(client, cid)  # could not kill/rename: remove it here and now
+            return False
+        deadline = time.monotonic() + STOPPED_TIMEOUT_S
+        try:
+            while client.api.inspect_container(cid)["State"].get("Running"):
+                if time.monotonic() > deadline:
+                    raise SandboxLost(f"could not fence container {cid[:12]} of sandbox {sandbox_name}: "
+                                      "still running")
+                time.sleep(0.01)
+        except docker.errors.NotFound:
+            return False  # removed meanwhile (e.g. by a concurrent fence): fenced all the same
+    return True

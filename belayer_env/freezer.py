@@ -1,0 +1,67 @@
+"""A container's freezer cgroup, read and thawed directly (cgroup v1 or v2).
+
+Docker pauses a container through this cgroup. When an exec races a pause, the exec's
+``runc init`` can be frozen half-way into the container (D state, in the refrigerator):
+Docker then answers nothing about that container (inspect, unpause, kill all hang) while
+the cgroup stays FROZEN. Writing THAWED (v1) / 0 (v2) to the cgroup is what Docker's
+unpause would have done; it lets the stuck exec finish and Docker answer again.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+THAW_WAIT_S = 5.0
+
+
+def _candidates(container_id: str) -> list[Path]:
+    """Where Docker puts the container's freezer control file (cgroupfs or systemd driver)."""
+    v1 = CGROUP_ROOT / "freezer"
+    v2_files = [CGROUP_ROOT / "system.slice" / f"docker-{container_id}.scope" / "cgroup.freeze",
+                CGROUP_ROOT / "docker" / container_id / "cgroup.freeze"]
+    v1_files = [v1 / "docker" / container_id / "freezer.state",
+                v1 / "system.slice" / f"docker-{container_id}.scope" / "freezer.state"]
+    return v1_files + v2_files
+
+
+def control_file(container_id: str) -> Path | None:
+    """The container's freezer control file, or None (no such cgroup here: e.g. a remote daemon)."""
+    for path in _candidates(container_id):
+        if path.exists():
+            return path
+    return None
+
+
+def is_frozen(container_id: str) -> bool:
+    """True while the container's cgroup is FROZEN or FREEZING (v2: ``cgroup.freeze`` is 1)."""
+    path = control_file(container_id)
+    if path is None:
+        return False
+    try:
+        state = path.read_text().strip()
+    except OSError:
+        return False
+    return state in ("FROZEN", "FREEZING") if path.name == "freezer.state" else state == "1"
+
+
+def thaw(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
+    """Thaw the container's cgroup; True once it is thawed (or gone), False if it stays frozen."""
+    path = control_file(container_id)
+    if path is None:
+        return True
+    value = "THAWED" if path.name == "freezer.state" else "0"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            path.write_text(value)
+        except FileNotFoundError:
+            return True  # the cgroup went away with its container
+        except OSError:
+            return False
+        if not is_frozen(container_id):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
