@@ -39,11 +39,20 @@ def add_parser(subparsers) -> None:
                               description=__doc__)
     sub = p.add_subparsers(dest="serve_target", metavar="TARGET", required=True)
     for name, (flags, runner, help_text) in TARGETS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        _resolve(flags)(sp)
+        try:  # flags come from the target's config, whose package may need an optional extra
+            add_flags = _resolve(flags)
+            sp = sub.add_parser(name, help=help_text, description=help_text)
+            add_flags(sp)
+        except ModuleNotFoundError as exc:  # e.g. aiohttp without belayer[engine]
+            sp = sub.add_parser(name, help=f"(unavailable: missing {exc.name}; pip install 'belayer[all]')")
+            sp.set_defaults(serve_missing=exc.name)
         sp.set_defaults(serve_runner=runner)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from belayer.errors import UsageError
+
+    if getattr(args, "serve_missing", None):
+        raise UsageError(f"needs the Python package {args.serve_missing!r}: pip install 'belayer[all]'")
     return int(_resolve(args.serve_runner)(args) or 0)
