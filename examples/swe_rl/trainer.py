@@ -2,9 +2,9 @@
 
 The orchestrator starts ``learner_process`` as a separate process (``multiprocessing``,
 spawn) with the run's ``RunConfig``, so that it can be SIGKILLed and restarted for real.
-On start it resumes from the newest complete checkpoint (interrupted saves are removed, never read); otherwise it plays the expert,
-runs the supervised warm start and saves step 0. Progress goes to an append-only JSON-lines
-event log that survives the process.
+On start it resumes from the newest complete checkpoint (interrupted saves are removed,
+never read); otherwise it plays the expert, runs the supervised warm start and saves
+step 0. Progress goes to an append-only JSON-lines event log that survives the process.
 """
 
 from __future__ import annotations
