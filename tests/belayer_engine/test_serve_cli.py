@@ -29,3 +29,15 @@ def test_building_the_parser_does_not_import_torch():
             "p = argparse.ArgumentParser(); serve.add_parser(p.add_subparsers()); "
             "assert 'torch' not in sys.modules and 'aiohttp' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_target_whose_flags_need_a_missing_package_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setitem(serve.TARGETS, "absent", ("belayer_no_such_package.flags:add", "x:run", "needs a package"))
+    _parse(["serve", "worker", "--arena-socket", "s"])  # building the parser and other targets: fine
+    try:
+        _parse(["serve", "absent"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("a target with a missing package parsed")
+    assert "needs the Python package 'belayer_no_such_package'" in capsys.readouterr().err
