@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from belayer.cli import serve
 
 
@@ -34,10 +36,7 @@ def test_building_the_parser_does_not_import_torch():
 def test_a_target_whose_flags_need_a_missing_package_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.setitem(serve.TARGETS, "absent", ("belayer_no_such_package.flags:add", "x:run", "needs a package"))
     _parse(["serve", "worker", "--arena-socket", "s"])  # building the parser and other targets: fine
-    try:
+    with pytest.raises(SystemExit) as exc:
         _parse(["serve", "absent"])
-    except SystemExit as exc:
-        assert exc.code == 2
-    else:
-        raise AssertionError("a target with a missing package parsed")
+    assert exc.value.code == 2
     assert "needs the Python package 'belayer_no_such_package'" in capsys.readouterr().err
