@@ -69,9 +69,9 @@ def _episodes(model, tasks, group: int, cfg: dict, gen, device: str):
     """``group`` episodes per task, all turns of all episodes sampled as one batch per turn."""
     import torch
 
+    from belayer.examples.swe_rl.episode import Episode, Turn
     from belayer_engine.model.chat_template import apply_chat_template
     from belayer_engine.model.tokenizer import ByteTokenizer
-    from examples.swe_rl.episode import Episode, Turn
 
     tok = ByteTokenizer()
     ends = set(tok.eos_token_ids)
@@ -121,10 +121,10 @@ def _episodes(model, tasks, group: int, cfg: dict, gen, device: str):
 
 
 def _expert(tasks):
+    from belayer.examples.swe_rl.episode import Episode, Turn
+    from belayer.examples.swe_rl.expert import expert_actions
     from belayer_engine.model.chat_template import apply_chat_template
     from belayer_engine.model.tokenizer import ByteTokenizer
-    from examples.swe_rl.episode import Episode, Turn
-    from examples.swe_rl.expert import expert_actions
 
     tok = ByteTokenizer()
     out = []
@@ -147,10 +147,11 @@ def one_run(weighting: str, seed: int, args: dict) -> dict:
     """One demo-shaped training run; returns the mean reward of each step's samples."""
     import torch
 
-    from examples.swe_rl import learner as learner_mod
-    from examples.swe_rl import policy
-    from examples.swe_rl.learner import Learner, LearnerConfig
-    from examples.swe_rl.tasks import sample_tasks
+    from belayer.examples.swe_rl import learner as learner_mod
+    from belayer.examples.swe_rl import policy
+    from belayer.examples.swe_rl.config import LearnerConfig
+    from belayer.examples.swe_rl.learner import Learner
+    from belayer.examples.swe_rl.tasks import sample_tasks
 
     torch.set_num_threads(args["threads"])
     device = args["device"]

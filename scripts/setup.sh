@@ -178,9 +178,11 @@ else
     info "installing torch==2.13.0 (CPU build)"
     run_logged "$LOG_DIR/pip-torch.log" "$PY" -m pip install -q --progress-bar off torch==2.13.0
   fi
-  # the editable install maps the top-level packages found at install time: re-install when they change
-  stamp="$ROOT $(cat "$ROOT/pyproject.toml" "$ROOT"/*/__init__.py 2>/dev/null | sha256sum | cut -c1-16) $(cd "$ROOT" && ls -d */__init__.py | tr "\n" " ") $("$PY" -c 'import sys; print(sys.executable)')"
-  if [ "$(cat "$LOG_DIR/pip-stamp" 2>/dev/null)" = "$stamp" ] && "$PY" -c "import belayer, belayer_env, belayer_engine" 2>/dev/null; then
+  # the editable install maps the top-level packages found at install time (setup.py: which, and
+  # wrappers/, examples/ as belayer.wrappers, belayer.examples): re-install when they change
+  stamp="$ROOT $(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/*/__init__.py 2>/dev/null | sha256sum | cut -c1-16) $(cd "$ROOT" && ls -d */__init__.py | tr "\n" " ") $("$PY" -c 'import sys; print(sys.executable)')"
+  if [ "$(cat "$LOG_DIR/pip-stamp" 2>/dev/null)" = "$stamp" ] \
+      && (cd / && "$PY" -c "import belayer.wrappers, belayer.examples, belayer_env, belayer_engine") 2>/dev/null; then
     info "belayer installed from $ROOT (pyproject unchanged)"
   else
     info "pip install -e $ROOT[all,dev]"

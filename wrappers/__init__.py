@@ -11,13 +11,13 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "FaultInjection": "wrappers.fault_injection",
-    "FaultInjectionConfig": "wrappers.fault_injection",
-    "ChatHistory": "wrappers.chat_history",
-    "parse_bash_block": "wrappers.chat_history",
-    "RecoverableDockerEnvironment": "wrappers.minisweagent",
-    "RecoverableDockerEnvironmentConfig": "wrappers.minisweagent",
-    "RolledBack": "wrappers.minisweagent",
+    "FaultInjection": ".fault_injection",
+    "FaultInjectionConfig": ".fault_injection",
+    "ChatHistory": ".chat_history",
+    "parse_bash_block": ".chat_history",
+    "RecoverableDockerEnvironment": ".minisweagent",
+    "RecoverableDockerEnvironmentConfig": ".minisweagent",
+    "RolledBack": ".minisweagent",
 }
 
 __all__ = list(_LAZY)
@@ -25,5 +25,5 @@ __all__ = list(_LAZY)
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'wrappers' has no attribute {name!r}")
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ container_timeout, pull_timeout, interpreter) and the same methods (``execute``,
 ``get_template_vars``, ``serialize``, ``cleanup``), so an agent switches by config::
 
     environment:
-      environment_class: wrappers.minisweagent.RecoverableDockerEnvironment
+      environment_class: belayer.wrappers.minisweagent.RecoverableDockerEnvironment
       image: belayer-base:latest
 
 mini-swe-agent is not imported unless installed (it pulls litellm); the adapter follows

@@ -1,8 +1,9 @@
 """``belayer serve <target>``: run one engine process in the foreground.
 
-Each target is one row of ``TARGETS``: its flags come from a light module (no torch at
-parser build time) and its ``run(args) -> int`` from the module that does the work. A new
-target (e.g. the router) is one more row.
+Each target is one row of ``TARGETS``: its flags and its ``run(args) -> int``. A target's
+flags are added when that target is used (parsed or its help shown): they may come from a
+config whose package needs torch or aiohttp, which building the whole CLI must not import.
+A new target (e.g. the router) is one more row.
 """
 
 from __future__ import annotations
@@ -34,13 +35,36 @@ def _resolve(ref: str):
     return getattr(importlib.import_module(module), name)
 
 
+class _TargetParser(argparse.ArgumentParser):
+    """A target's parser; ``add_flags(self)`` runs on first use, not when the CLI is built."""
+
+    def __init__(self, *args, add_flags: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._add_flags = add_flags
+
+    def _with_flags(self) -> None:
+        if self._add_flags:
+            ref, self._add_flags = self._add_flags, ""
+            try:
+                _resolve(ref)(self)
+            except ModuleNotFoundError as exc:  # e.g. aiohttp without belayer[engine]
+                self.error(f"needs the Python package {exc.name!r}: pip install 'belayer[all]'")
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._with_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._with_flags()
+        return super().format_help()
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="run an engine process (arena, worker, ...)",
                               description=__doc__)
-    sub = p.add_subparsers(dest="serve_target", metavar="TARGET", required=True)
+    sub = p.add_subparsers(dest="serve_target", metavar="TARGET", required=True, parser_class=_TargetParser)
     for name, (flags, runner, help_text) in TARGETS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        _resolve(flags)(sp)
+        sp = sub.add_parser(name, help=help_text, description=help_text, add_flags=flags)
         sp.set_defaults(serve_runner=runner)
     p.set_defaults(func=run)
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import signal
 import threading
+
+from belayer.config_flags import ConfigFlags
 
 ENGINE_HELP = "OpenAI-compatible recoverable engine: router + supervisor + arena/workers/shadows"
 ROUTER_HELP = "router only, in front of existing SGLang-protocol workers (no supervisor)"
@@ -23,38 +26,32 @@ TARGET_ROWS = {
 }
 
 
+@functools.cache
+def _router_flags(exclude: tuple[str, ...] = ()) -> ConfigFlags:
+    from belayer_engine.router import RouterConfig
+
+    # a server's usual port; the config's own default (0: any free port) suits embedding
+    return ConfigFlags(RouterConfig, exclude=exclude, defaults={"port": 8000}, title="router (RouterConfig)")
+
+
+@functools.cache
+def _supervisor_flags() -> ConfigFlags:
+    from belayer_engine.supervisor.config import SupervisorConfig
+
+    # workers bind to loopback and run under this interpreter: not a user's choice here
+    return ConfigFlags(SupervisorConfig, exclude=("host", "python"), title="supervisor (SupervisorConfig)")
+
+
 def engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF-layout model dir (default: embedded small model)")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--no-shadow", dest="shadow", action="store_false", help="no shadow workers (cold restart only)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda (one slot per GPU) or cuda:N")
-    _router_options(p)
-    p.add_argument("--unhealthy-window", type=float, default=10.0, help="seconds; a replacement failing within = bad device")
-    p.add_argument("--run-dir", default=None, help="logs and sockets (default: a temporary directory)")
-    p.add_argument("--arena-arg", action="append", default=[], help="extra arena option, e.g. --arena-arg=--preset")
+    _router_flags(("tokenizer",)).add_to(p)  # the router tokenizes with --model's tokenizer
+    _supervisor_flags().add_to(p)
+    p.add_argument("--json", action="store_true", help="print the endpoint as JSON once ready")
 
 
 def router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", required=True, help="worker base URL (repeatable)")
-    p.add_argument("--tokenizer", default=None, help="model dir with tokenizer.json (default: byte tokenizer)")
-    _router_options(p)
-
-
-def _router_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--recovery", choices=["token", "chunk"], default="token")
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--stall-timeout", type=float, default=10.0)
+    _router_flags().add_to(p)
     p.add_argument("--json", action="store_true", help="print the endpoint as JSON once ready")
-
-
-def _router_config(args, tokenizer=None):
-    from belayer_engine.router import RouterConfig
-
-    return RouterConfig(host=args.host, port=args.port, api_key=args.api_key, recovery=args.recovery,
-                        chunk_tokens=args.chunk_tokens, stall_timeout_s=args.stall_timeout, tokenizer=tokenizer)
 
 
 def _announce(args, url: str) -> None:
@@ -75,16 +72,14 @@ def _on_stop_signal() -> asyncio.Event:
 
 def run_engine(args) -> int:
     from belayer_engine.engine import RecoverableEngine
-    from belayer_engine.supervisor import SupervisorConfig
 
+    sup_cfg = _supervisor_flags().build(args)
+    router_cfg = _router_flags(("tokenizer",)).build(args, tokenizer=sup_cfg.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    sup_cfg = SupervisorConfig(model=args.model, workers=args.workers, shadow=args.shadow, device=args.device,
-                               unhealthy_window_s=args.unhealthy_window, run_dir=args.run_dir,
-                               arena_args=args.arena_arg)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: see _on_stop_signal
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing readiness: see _on_stop_signal
         signal.signal(sig, lambda *_: stop.set())
-    engine = RecoverableEngine(sup_cfg, _router_config(args, args.model))
+    engine = RecoverableEngine(sup_cfg, router_cfg)  # the engine is wired there, once
     try:
         engine.start()
         _announce(args, engine.base_url.removesuffix("/v1"))
@@ -98,10 +93,11 @@ def run_engine(args) -> int:
 def run_router(args) -> int:
     from belayer_engine.router import Router
 
+    router_cfg = _router_flags().build(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def main() -> None:
-        router = Router(_router_config(args, args.tokenizer))
+        router = Router(router_cfg)
         router.add_static_workers(args.worker)
         url = await router.start()
         try:

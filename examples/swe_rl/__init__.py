@@ -1,4 +1,4 @@
 """SWE agent RL with injected faults: toy repos, an OpenAI-client agent, GRPO, learner checkpoints.
 
-``python3 -m belayer demo`` runs a short version; ``examples.swe_rl.run`` is the orchestrator.
+``python3 -m belayer demo`` runs a short version; ``belayer.examples.swe_rl.run`` is the orchestrator.
 """

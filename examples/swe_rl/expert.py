@@ -8,34 +8,34 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from examples.swe_rl.episode import Episode, Turn
-from examples.swe_rl.tasks import SUBMIT, Task
+from belayer_engine.model.chat_template import IM_END
+
+from .config import AgentConfig
+from .episode import Episode, Turn
+from .tasks import SUBMIT, Task
 
 
 def expert_actions(task: Task) -> list[str]:
     return [f"cat {task.source_file}", task.fix_command(), SUBMIT]
 
 
-def play_expert(task: Task, env_factory=None) -> Episode:
+def play_expert(task: Task, cfg: AgentConfig | None = None) -> Episode:
     """Run the expert's actions in a fresh sandbox; the episode must earn reward 1."""
-    from belayer_engine.model.tokenizer import ByteTokenizer
-    from examples.swe_rl.agent import make_env, render_prompt_ids
+    from belayer.wrappers.chat_history import ChatHistory
 
-    env_factory = env_factory or make_env
-    tok = ByteTokenizer()
-    env = env_factory(task)
+    from .agent import CODEC, make_env, shell_command
+
+    env = ChatHistory(make_env(task, cfg or AgentConfig()), parse_action=shell_command)
     try:
-        obs, _ = env.reset(options=task.reset_options())
-        messages = [{"role": "user", "content": obs}]
+        env.reset(options=task.reset_options())
         episode = Episode(task_id=task.id)
         for action in expert_actions(task):
-            ids = tok.encode(action) + [tok.special_ids["<|im_end|>"]]
-            episode.turns.append(Turn(prompt_ids=render_prompt_ids(messages), completion_ids=ids,
-                                      weight_version=None))
-            obs, reward, terminated, truncated, info = env.step(action)
+            # what the model should generate: the command, then the end of its message
+            episode.turns.append(Turn(prompt_ids=CODEC.render_chat(env.messages),
+                                      completion_ids=CODEC.encode(action + IM_END), weight_version=None))
+            _, reward, terminated, truncated, info = env.step(action)
             if info.get("belayer", {}).get("rollback"):
                 raise RuntimeError(f"expert episode {task.id} hit an infra failure")
-            messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
             if terminated or truncated:
                 episode.reward = float(reward)
                 break
@@ -44,8 +44,8 @@ def play_expert(task: Task, env_factory=None) -> Episode:
         env.close()
 
 
-def expert_dataset(tasks: list[Task], threads: int = 2) -> list[Episode]:
+def expert_dataset(tasks: list[Task], cfg: AgentConfig | None = None, threads: int = 2) -> list[Episode]:
     """Expert episodes for ``tasks`` (only the successful ones are kept)."""
     with ThreadPoolExecutor(threads) as pool:
-        episodes = list(pool.map(play_expert, tasks))
+        episodes = list(pool.map(lambda t: play_expert(t, cfg), tasks))
     return [e for e in episodes if e.reward == 1.0]

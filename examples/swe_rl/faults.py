@@ -17,26 +17,12 @@ import signal
 import threading
 import time
 
-from pydantic import BaseModel, Field
-
-
-class FaultConfig(BaseModel):
-    env_rate: float = Field(default=0.05, ge=0, le=1)
-    """Probability that a given env step gets a container fault."""
-    env_kinds: list[str] = Field(default_factory=lambda: ["kill", "oom"])
-    worker_rate_per_min: float = Field(default=2.0, ge=0)
-    """Mean worker SIGKILLs per minute of rollout time."""
-    worker_min_gap_s: float = Field(default=12.0, ge=0)
-    """Kills closer than the supervisor's unhealthy window would (rightly) exclude the device."""
-    worker_first_kill_s: float | None = Field(default=None, ge=0)
-    """Fixed delay of the first kill (a short run then surely sees one); None = random."""
-    learner_kill_steps: list[int] = Field(default_factory=lambda: [3])
-    seed: int = 0
+from .config import FaultConfig
 
 
 def wrap_env(env, config: FaultConfig, seed: int):
     """The env with real container faults injected (no-op wrapper when ``env_rate`` is 0)."""
-    from wrappers.fault_injection import FaultInjection, FaultInjectionConfig
+    from belayer.wrappers.fault_injection import FaultInjection, FaultInjectionConfig
 
     return FaultInjection(env, FaultInjectionConfig(probability=config.env_rate, kinds=config.env_kinds,
                                                     max_delay_s=0.2, seed=seed))
@@ -45,9 +31,9 @@ def wrap_env(env, config: FaultConfig, seed: int):
 class WorkerKiller:
     """SIGKILLs the engine's serving worker at random times, only while a shadow is armed."""
 
-    def __init__(self, engine, config: FaultConfig):
+    def __init__(self, engine, config: FaultConfig, seed: int = 0):
         self.engine, self.config = engine, config
-        self.rng = random.Random(config.seed + 7)
+        self.rng = random.Random(seed + 7)
         self.kills: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-killer", daemon=True)

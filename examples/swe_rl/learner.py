@@ -16,35 +16,13 @@ from __future__ import annotations
 
 import random
 import statistics
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field
 
-from examples.swe_rl.episode import Episode
-from examples.swe_rl.learner_ckpt import snapshot
-from examples.swe_rl.policy import PolicyModel, pack_turns, sequence_logprobs
-
-
-class LearnerConfig(BaseModel):
-    seed: int = 0
-    """Seed of the initial weights (must equal the arena's, so both start identical)."""
-    sft_lr: float = 3e-3
-    sft_steps: int = Field(default=17, ge=0)
-    """Stops the warm start at partial success (~0.3 at temperature 1), so RL has signal."""
-    sft_batch: int = 8
-    rl_lr: float = 3e-4
-    epochs: int = Field(default=4, ge=1)
-    """Clipped policy-gradient epochs per batch (1 = plain on-policy REINFORCE with a group baseline)."""
-    clip: float = 0.2
-    temperature: float = 1.0
-    """The rollouts' sampling temperature: RL log-probs are those of softmax(logits / T)."""
-    chunk_tokens: int = 8192
-    """Padded tokens per forward/backward chunk (gradients accumulate across chunks)."""
-    max_grad_norm: float = 1.0
-    loss_agg: Literal["episode", "token"] = "episode"
-    """"episode": every episode weighs the same (its tokens' mean); "token": every generated
-    token does (long failed episodes then dominate the batch and push the policy apart)."""
+from .config import LearnerConfig
+from .episode import Episode
+from .learner_ckpt import snapshot
+from .policy import PolicyModel, pack_turns, sequence_logprobs
 
 
 class Learner:

@@ -1,8 +1,8 @@
 """Orchestrator: engine + learner process + fault schedule + live display + summary.
 
 The engine (arena, worker, shadow, router) runs under ``RecoverableEngine``; the learner
-is a separate process (``examples.swe_rl.trainer``) so that a learner fault is a real
-SIGKILL followed by a restart that resumes from its newest complete checkpoint. Worker
+is a separate process (``trainer.learner_process``, given the same ``RunConfig``) so that a
+learner fault is a real SIGKILL followed by a restart that resumes from its newest complete checkpoint. Worker
 kills come from ``faults.WorkerKiller``; container faults are injected inside the learner's
 envs. Everything the summary reports is read back from the learner's event log and the
 supervisor's event list.
@@ -12,37 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+import multiprocessing
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from pydantic import BaseModel, Field
-
 from belayer.errors import BelayerError
-from examples.swe_rl.faults import FaultConfig, WorkerKiller
-from examples.swe_rl.summary import summarize
-from examples.swe_rl.trainer import TrainConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class RunConfig(BaseModel):
-    out_dir: str = "belayer-demo"
-    steps: int = Field(default=8, ge=1)
-    n_tasks: int = Field(default=8, ge=2)
-    tasks_per_step: int = Field(default=8, ge=1)
-    group_size: int = Field(default=4, ge=2)
-    parallel: int = Field(default=6, ge=1)
-    sft_steps: int = Field(default=17, ge=0)
-    rl_lr: float = 3e-4
-    seed: int = 0
-    max_learner_restarts: int = 5
-    faults: FaultConfig = Field(default_factory=FaultConfig)
+from .config import RunConfig
+from .faults import WorkerKiller
+from .summary import summarize
+from .trainer import learner_process
 
 
 class Run:
@@ -53,6 +35,7 @@ class Run:
         self.learner_kills: list[dict] = []
         self.learner_exits: list[int] = []
         self._offset = 0
+        self.base_url = self.arena_socket = ""
 
     def _prepare(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -60,11 +43,12 @@ class Run:
             (self.out / name).unlink(missing_ok=True)
         shutil.rmtree(self.out / "learner_ckpt", ignore_errors=True)
 
-    def _spawn(self, config_path: Path) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        with open(self.out / "learner.log", "a") as log:  # the child keeps its own descriptor
-            return subprocess.Popen([sys.executable, "-m", "examples.swe_rl.trainer", str(config_path)],
-                                    cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    def _spawn(self) -> BaseProcess:
+        """A fresh learner process (spawned: a new interpreter, as after a real crash)."""
+        proc = multiprocessing.get_context("spawn").Process(
+            target=learner_process, args=(self.cfg, self.base_url, self.arena_socket), name="learner", daemon=True)
+        proc.start()
+        return proc
 
     def _new_events(self) -> list[dict]:
         path = self.out / "events.jsonl"
@@ -90,23 +74,16 @@ class Run:
             engine.wait_ready(stable=True)
             engine_start_s = time.time() - t0
             self.display(f"engine ready in {engine_start_s:.1f}s at {engine.base_url}")
-            train = TrainConfig(
-                out_dir=str(self.out), base_url=engine.base_url,
-                arena_socket=engine.arena_socket(), steps=cfg.steps, n_tasks=cfg.n_tasks,
-                tasks_per_step=cfg.tasks_per_step, group_size=cfg.group_size, parallel=cfg.parallel,
-                seed=cfg.seed, faults=cfg.faults)
-            train.learner.sft_steps, train.learner.rl_lr, train.learner.seed = cfg.sft_steps, cfg.rl_lr, 0
-            config_path = self.out / "train_config.json"
-            config_path.write_text(train.model_dump_json(indent=1))
-            killer = WorkerKiller(engine, cfg.faults)
-            proc = self._spawn(config_path)
+            self.base_url, self.arena_socket = engine.base_url, engine.arena_socket()
+            killer = WorkerKiller(engine, cfg.faults, seed=cfg.seed)
+            proc = self._spawn()
             try:
-                proc = self._supervise(proc, config_path, killer)
+                proc = self._supervise(proc, killer)
             finally:
                 killer.stop()
-                if proc.poll() is None:
+                if proc.is_alive():
                     proc.kill()
-                    proc.wait()
+                proc.join()
             with contextlib.suppress(BelayerError):
                 engine.wait_ready(timeout=60)  # a handover still under way gets into the events
             engine_events = engine.events()
@@ -114,20 +91,18 @@ class Run:
                             seconds=time.time() - t0, engine_start_s=engine_start_s, parallel=cfg.parallel)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         with contextlib.suppress(Exception):
-            from examples.swe_rl.plot import plot_run
+            from .plot import plot_run
 
             summary["plot"] = str(plot_run(self.events, engine_events, killer.kills, self.learner_kills,
                                            summary, self.out / "run.png", t0))
         return summary
 
-    def _supervise(self, proc: subprocess.Popen, config_path: Path, killer: WorkerKiller) -> subprocess.Popen:
+    def _supervise(self, proc: BaseProcess, killer: WorkerKiller) -> BaseProcess:
         killed_at: set[int] = set()
         done = False
         while not done:
-            try:
-                code = proc.wait(timeout=0.25)
-            except subprocess.TimeoutExpired:
-                code = None
+            proc.join(timeout=0.25)  # bounded poll of the learner's exit and its event log
+            code = proc.exitcode
             for ev in self._new_events():
                 self._show(ev, killer)
                 if ev["event"] == "weights":
@@ -135,15 +110,15 @@ class Run:
                 if ev["event"] == "done":
                     done = True
                 if (ev["event"] == "saving" and ev["step"] in self.cfg.faults.learner_kill_steps
-                        and ev["step"] not in killed_at and proc.poll() is None):
-                    proc.send_signal(signal.SIGKILL)
+                        and ev["step"] not in killed_at and proc.is_alive()):
+                    proc.kill()  # SIGKILL
                     self.learner_kills.append({"wall": time.time(), "step": ev["step"]})
-                    proc.wait()
+                    proc.join()
                     self._reap_orphans(proc.pid)
                     killed_at.add(ev["step"])
                     self.display(f"  !! learner SIGKILLed at the step-{ev['step']} boundary, just after its "
                                  "checkpoint save started: restarting")
-                    proc = self._spawn(config_path)
+                    proc = self._spawn()
                     code = None
             if code is not None and not done:
                 self._new_events()
@@ -153,7 +128,7 @@ class Run:
                 if len(self.learner_exits) > self.cfg.max_learner_restarts:
                     raise BelayerError(f"learner exited {code} too often; see {self.out / 'learner.log'}")
                 self.display(f"  !! learner exited with {code}: restarting (see learner.log)")
-                proc = self._spawn(config_path)
+                proc = self._spawn()
         return proc
 
     def _reap_orphans(self, pid: int) -> None:

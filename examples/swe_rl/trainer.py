@@ -1,18 +1,18 @@
 """The learner process: rollouts -> GRPO update -> versioned weight push -> async checkpoint.
 
-Run by the orchestrator as ``python -m examples.swe_rl.trainer CONFIG.json`` so that it can
-be SIGKILLed and restarted for real. On start it resumes from the newest complete
-checkpoint (interrupted saves are removed, never read); otherwise it plays the expert,
-runs the supervised warm start and saves step 0. Progress goes to an append-only JSON-lines
-event log that survives the process.
+The orchestrator starts ``learner_process`` as a separate process (``multiprocessing``,
+spawn) with the run's ``RunConfig``, so that it can be SIGKILLed and restarted for real.
+On start it resumes from the newest complete checkpoint (interrupted saves are removed,
+never read); otherwise it plays the expert, runs the supervised warm start and saves
+step 0. Progress goes to an append-only JSON-lines event log that survives the process.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
-import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -20,31 +20,17 @@ from pathlib import Path
 
 import openai
 import torch
-from pydantic import BaseModel, Field
 
 from belayer_engine.arena.client import ArenaClient
-from examples.swe_rl import learner_ckpt
-from examples.swe_rl.agent import AgentConfig, Episode, make_env, run_episode
-from examples.swe_rl.expert import expert_dataset
-from examples.swe_rl.faults import FaultConfig, wrap_env
-from examples.swe_rl.learner import Learner, LearnerConfig
-from examples.swe_rl.tasks import Task, sample_tasks
 
-
-class TrainConfig(BaseModel):
-    out_dir: str
-    base_url: str
-    arena_socket: str
-    steps: int = Field(default=8, ge=1)
-    n_tasks: int = Field(default=8, ge=2)
-    tasks_per_step: int = Field(default=8, ge=1)
-    group_size: int = Field(default=4, ge=2)
-    parallel: int = Field(default=6, ge=1)
-    seed: int = 0
-    threads: int = 2
-    agent: AgentConfig = Field(default_factory=AgentConfig)
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    faults: FaultConfig = Field(default_factory=FaultConfig)
+from . import learner_ckpt
+from .agent import make_env, run_episode
+from .config import RunConfig
+from .episode import Episode
+from .expert import expert_dataset
+from .faults import wrap_env
+from .learner import Learner
+from .tasks import Task, sample_tasks
 
 
 class EventLog:
@@ -58,7 +44,7 @@ class EventLog:
             f.write(json.dumps({"wall": time.time(), **event}) + "\n")
 
 
-def rollout_group(cfg: TrainConfig, client: openai.OpenAI, tasks: list[Task], version: int,
+def rollout_group(cfg: RunConfig, client: openai.OpenAI, tasks: list[Task], version: int,
                   step: int) -> tuple[list[list[Episode]], int]:
     """``group_size`` episodes per task, all from weight ``version``; returns groups, faults fired."""
     jobs = [(t, i) for t in tasks for i in range(cfg.group_size)]
@@ -79,12 +65,12 @@ def rollout_group(cfg: TrainConfig, client: openai.OpenAI, tasks: list[Task], ve
     return groups, sum(n for _, n in results)
 
 
-def warm_start(cfg: TrainConfig, learner: Learner, tasks: list[Task], log: EventLog) -> None:
+def warm_start(cfg: RunConfig, learner: Learner, tasks: list[Task], log: EventLog) -> None:
     cache = Path(cfg.out_dir) / "expert.json"
     if cache.is_file():
         episodes = [Episode.model_validate(e) for e in json.loads(cache.read_text())]
     else:
-        episodes = expert_dataset(tasks)
+        episodes = expert_dataset(tasks, cfg.agent)
         cache.write_text(json.dumps([e.model_dump() for e in episodes]))
     log({"event": "expert", "episodes": len(episodes)})
     t0 = time.monotonic()
@@ -92,8 +78,16 @@ def warm_start(cfg: TrainConfig, learner: Learner, tasks: list[Task], log: Event
     log({"event": "sft_done", "loss": round(loss, 4), "seconds": round(time.monotonic() - t0, 1)})
 
 
-def main(config_path: str) -> int:
-    cfg = TrainConfig.model_validate_json(Path(config_path).read_text())
+def learner_process(cfg: RunConfig, base_url: str, arena_socket: str) -> None:
+    """The learner process's entry point; its output goes to ``OUT_DIR/learner.log``."""
+    with open(Path(cfg.out_dir) / "learner.log", "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    train(cfg, base_url, arena_socket)
+
+
+def train(cfg: RunConfig, base_url: str, arena_socket: str) -> None:
+    """Train for ``cfg.steps`` steps against the engine at ``base_url`` / ``arena_socket``."""
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     log = EventLog(out / "events.jsonl")
@@ -111,10 +105,10 @@ def main(config_path: str) -> int:
         warm_start(cfg, learner, tasks, log)
         saver.save_async(0, learner.snapshot())
         saver.wait()
-    arena = ArenaClient(cfg.arena_socket)
+    arena = ArenaClient(arena_socket)
     version = arena.update_weights(learner.model.hf_state_dict())
     log({"event": "weights", "step": learner.step, "version": version})
-    client = openai.OpenAI(base_url=cfg.base_url, api_key="belayer", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=base_url, api_key="belayer", max_retries=0, timeout=120)
     for step in range(learner.step + 1, cfg.steps + 1):
         t0 = time.monotonic()
         rng = random.Random(cfg.seed * 7919 + step)  # a re-run step after a resume sees the same tasks
@@ -146,8 +140,3 @@ def main(config_path: str) -> int:
     saver.wait()
     log({"event": "done", "step": learner.step, "version": version,
          "ckpt_save_s": round(statistics.fmean(saver.save_seconds), 3) if saver.save_seconds else None})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))

@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from belayer.cli import serve
 
 
@@ -29,3 +31,12 @@ def test_building_the_parser_does_not_import_torch():
             "p = argparse.ArgumentParser(); serve.add_parser(p.add_subparsers()); "
             "assert 'torch' not in sys.modules and 'aiohttp' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_target_whose_flags_need_a_missing_package_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setitem(serve.TARGETS, "absent", ("belayer_no_such_package.flags:add", "x:run", "needs a package"))
+    _parse(["serve", "worker", "--arena-socket", "s"])  # building the parser and other targets: fine
+    with pytest.raises(SystemExit) as exc:
+        _parse(["serve", "absent"])
+    assert exc.value.code == 2
+    assert "needs the Python package 'belayer_no_such_package'" in capsys.readouterr().err

@@ -10,9 +10,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from belayer.examples.swe_rl.tasks import sample_tasks
 from belayer_env.faults import kill_container
 from belayer_env.gc import list_managed
-from examples.swe_rl.tasks import sample_tasks
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.swe_rl.episode import Episode, Turn
-from examples.swe_rl.learner import Learner, LearnerConfig
-from examples.swe_rl.policy import sequence_logprobs
+from belayer.examples.swe_rl.config import LearnerConfig
+from belayer.examples.swe_rl.episode import Episode, Turn
+from belayer.examples.swe_rl.learner import Learner
+from belayer.examples.swe_rl.policy import sequence_logprobs
 
 
 def _episode(task: str, prompt_len: int, completion_len: int, reward: float) -> Episode:

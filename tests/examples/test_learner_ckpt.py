@@ -13,13 +13,15 @@ from pathlib import Path
 
 import torch
 
-from examples.swe_rl import learner_ckpt
-from examples.swe_rl.learner import Learner, LearnerConfig
+from belayer.examples.swe_rl import learner_ckpt
+from belayer.examples.swe_rl.config import LearnerConfig
+from belayer.examples.swe_rl.learner import Learner
 
 CHILD = r"""
 import hashlib, sys, threading, torch
-from examples.swe_rl.learner import Learner, LearnerConfig
-from examples.swe_rl.learner_ckpt import LearnerCheckpointConfig, LearnerCheckpointer
+from belayer.examples.swe_rl.config import LearnerConfig
+from belayer.examples.swe_rl.learner import Learner
+from belayer.examples.swe_rl.learner_ckpt import LearnerCheckpointConfig, LearnerCheckpointer
 from tests.examples.test_learner_ckpt import digest
 
 directory, kill_at = sys.argv[1], int(sys.argv[2])
@@ -37,7 +39,7 @@ def hook(phase, step):
         blocked.wait()          # the save stays interrupted until the parent kills us
 
 ckpt = LearnerCheckpointer(LearnerCheckpointConfig(directory=directory, keep=10), phase_hook=hook)
-from examples.swe_rl.policy import sequence_logprobs
+from belayer.examples.swe_rl.policy import sequence_logprobs
 for step in range(1, kill_at + 2):
     loss = -torch.cat(sequence_logprobs(learner.model, episodes_like)).mean()
     learner._update(loss, 1e-3)

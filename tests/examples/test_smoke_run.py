@@ -8,16 +8,17 @@ import json
 
 import pytest
 
-from examples.swe_rl.faults import FaultConfig
-from examples.swe_rl.run import RunConfig, run
+from belayer.examples.swe_rl.config import FaultConfig, RunConfig
+from belayer.examples.swe_rl.run import run
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_short_run_survives_env_worker_and_learner_faults(tmp_path, docker_client):
     cfg = RunConfig(out_dir=str(tmp_path / "run"), steps=2, n_tasks=4, tasks_per_step=2, group_size=2,
-                    parallel=4, faults=FaultConfig(env_rate=0.25, worker_rate_per_min=60, worker_min_gap_s=14, worker_first_kill_s=1.0,
-                                                   learner_kill_steps=[1], seed=1))
+                    parallel=4, seed=1,
+                    faults=FaultConfig(env_rate=0.25, worker_rate_per_min=60, worker_min_gap_s=14,
+                                       worker_first_kill_s=1.0, learner_kill_steps=[1]))
     lines: list[str] = []
     summary = run(cfg, display=lines.append)
 

@@ -10,7 +10,7 @@ from tests.belayer_env.conftest_env import containers_of, make_env  # noqa: F401
 @pytest.fixture
 def msw_env(docker_client):
     """``msw_env(**kw)`` -> RecoverableDockerEnvironment on the base image; cleaned up and checked."""
-    from wrappers.minisweagent import RecoverableDockerEnvironment
+    from belayer.wrappers.minisweagent import RecoverableDockerEnvironment
 
     envs = []
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from belayer.wrappers.chat_history import ChatHistory, parse_bash_block
 from belayer_env.faults import kill_container
-from wrappers.chat_history import ChatHistory, parse_bash_block
 
 
 def test_parse_bash_block():

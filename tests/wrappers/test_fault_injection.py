@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from belayer.wrappers.fault_injection import FaultInjection
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.conftest import wait_until
-from wrappers.fault_injection import FaultInjection
 
 
 def _run(env, n: int, sleep: float = 0.3) -> list[dict]:

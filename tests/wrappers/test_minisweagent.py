@@ -11,11 +11,11 @@ import importlib.util
 
 import pytest
 
-from belayer_env.faults import kill_container
-from wrappers.minisweagent import (
+from belayer.wrappers.minisweagent import (
     RecoverableDockerEnvironmentConfig,
     RolledBack,
 )
+from belayer_env.faults import kill_container
 
 # DockerEnvironmentConfig's fields in mini-swe-agent 2.x (src/minisweagent/environments/docker.py)
 MSWEA_FIELDS = {"image", "cwd", "env", "forward_env", "timeout", "executable", "run_args",
@@ -56,7 +56,7 @@ def test_execute_template_vars_serialize(msw_env, monkeypatch):
     tv = env.get_template_vars(extra=1)
     assert tv["image"] == "belayer-base:latest" and tv["cwd"] == "/tmp" and tv["extra"] == 1 and "system" in tv
     ser = env.serialize()["info"]
-    assert ser["config"]["environment_type"] == "wrappers.minisweagent.RecoverableDockerEnvironment"
+    assert ser["config"]["environment_type"] == "belayer.wrappers.minisweagent.RecoverableDockerEnvironment"
     assert ser["config"]["environment"]["image"] == "belayer-base:latest" and ser["belayer"]["recovered"] is False
 
 

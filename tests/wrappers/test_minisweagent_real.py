@@ -20,10 +20,10 @@ from minisweagent.agents.interactive import InteractiveAgent  # noqa: E402
 from minisweagent.exceptions import InterruptAgentFlow  # noqa: E402
 from minisweagent.models.test_models import DeterministicModel, make_output  # noqa: E402
 
+from belayer.wrappers.minisweagent import RolledBack  # noqa: E402
 from belayer_env.faults import kill_container  # noqa: E402
 from tests.belayer_env.conftest_env import assert_no_infra_text  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
-from wrappers.minisweagent import RolledBack  # noqa: E402
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /log"
 
@@ -146,4 +146,4 @@ def test_agent_regenerates_after_a_real_sigkill(msw_env, docker_client, monkeypa
     # the whole trajectory still serializes the mini-swe-agent way
     saved = agent.serialize()
     assert saved["info"]["exit_status"] == "Submitted"
-    assert saved["info"]["config"]["environment_type"] == "wrappers.minisweagent.RecoverableDockerEnvironment"
+    assert saved["info"]["config"]["environment_type"] == "belayer.wrappers.minisweagent.RecoverableDockerEnvironment"
