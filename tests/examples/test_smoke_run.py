@@ -17,6 +17,9 @@ from belayer.examples.swe_rl.run import run
 def test_short_run_survives_env_worker_and_learner_faults(tmp_path, docker_client):
     cfg = RunConfig(out_dir=str(tmp_path / "run"), steps=2, n_tasks=4, tasks_per_step=2, group_size=2,
                     parallel=4, seed=1,
+                    # one torch thread: on a machine busier than its cores, OpenMP threads that
+                    # spin-wait for each other made the warm start ~8x slower (10 s vs 1.2 s/iter)
+                    threads=1,
                     faults=FaultConfig(env_rate=0.25, worker_rate_per_min=60, worker_min_gap_s=14,
                                        worker_first_kill_s=1.0, learner_kill_steps=[1]))
     lines: list[str] = []
