@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer.procfs import processes
+from belayer.procfs import read_stat
 from tests.conftest import wait_until
 
 COUNTER = r'''
@@ -141,15 +141,17 @@ def signal_criu_of(container_id: str, sig: int, stop: threading.Event, hit: list
     """Poll /proc for the criu child of `runc checkpoint ... <container_id>` and send it ``sig``
     (a real fault in the middle of a real dump); its pid goes to ``hit``."""
     while not stop.is_set() and not hit:
-        for proc in processes():
-            if proc.comm != "criu":
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            proc = read_stat(int(pid))
+            if proc is None or proc.comm != "criu":
                 continue
             try:
                 parent = Path(f"/proc/{proc.ppid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
+                if b"checkpoint" in parent and container_id.encode() in parent:
+                    os.kill(proc.pid, sig)
+            except (OSError, ProcessLookupError):
+                continue  # it ended meanwhile
             if b"checkpoint" in parent and container_id.encode() in parent:
-                os.kill(proc.pid, sig)
                 hit.append(proc.pid)
                 return
 
