@@ -11,7 +11,9 @@ never returned as output text.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import socket
 import threading
 import time
 import uuid
@@ -19,11 +21,11 @@ from typing import Any
 
 import docker
 from docker.utils.socket import frames_iter
-from pydantic import ValidationError
 
 from belayer.errors import ConfigError, InvalidAction, SandboxLost, UsageError
 from belayer.procfs import read_stat
 from belayer_env.config import SandboxConfig
+from belayer_env.disk import limit_layer
 from belayer_env.docker_api import connect, translate_errors
 from belayer_env.output import OutputCollector
 from belayer_env.ownership import owner_labels
@@ -35,30 +37,87 @@ KILL_GRACE_S = 2  # SIGTERM, then SIGKILL this much later, for a timed-out comma
 OUTPUT_DIR = "/run/belayer"  # sandbox-private tmpfs: CRIU dumps and restores it with the container
 OUTPUT_TMPFS = {OUTPUT_DIR: "size=64m,mode=0700"}
 
-# Runs every command. Its output goes to a per-command file on the sandbox's private tmpfs,
-# never to the exec pipe: a process the command leaves in the background (a server, say)
-# then keeps a file, not a pipe to containerd-shim, so it neither holds the exec open nor
-# dies of EPIPE once we stop reading, and CRIU can checkpoint and restore it. The wrapper
-# then prints the capped output to the pipe and "belayer-meta RC SIZE" to stderr.
-# Files still held by background processes are truncated (not removed) at the next command.
+MAX_COMMAND_BYTES = 2**20
+"""Longest command ``execute`` takes (UTF-8 bytes). It travels on the exec's stdin, not in its
+argv, so the kernel's 128 KiB per-argument limit and containerd's message limit never apply."""
+CHUNK_BYTES = 2**20  # the in-sandbox keeper rotates chunk files of this size for the tail
+
+# Runs every command. The command arrives on stdin and is saved to a file; it runs with its
+# output (stdout and stderr merged) on a FIFO, never on the exec pipe. A keeper (``drain``)
+# reads the FIFO and keeps only the head (H bytes) and the last two chunks (C >= T bytes
+# each) on the sandbox's private tmpfs, counting the rest: output of any size can neither
+# fill the tmpfs nor change the command's exit code (a full FIFO blocks the writer; it never
+# fails it). A background job the command leaves behind keeps the FIFO, not a pipe to
+# containerd-shim, so it neither holds the exec open nor dies of EPIPE, and CRIU can
+# checkpoint it and its keeper; once its command has been collected, the keeper goes on
+# draining into one chunk file. When the command exits, the wrapper waits for the keeper's
+# end of stream (or, while background jobs still hold the FIFO, until the keeper has read
+# everything: the FIFO is empty and its ``head`` is blocked reading it; bounded), prints
+# the head and the tail to the exec pipe and "belayer-meta RC TOTAL" to stderr.
 EXEC_WRAPPER = r"""
-T=$1 MAX=$2 ID=$3 CMD=$4 K=$5
+T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6
 d=/run/belayer; [ -d "$d" ] && [ -w "$d" ] || { d=/tmp/.belayer; mkdir -p -m 700 "$d"; }
-for o in "$d"/out.*; do
-  [ -f "$o" ] || continue
-  held=; for fd in /proc/[0-9]*/fd/[0-9]*; do [ "$fd" -ef "$o" ] 2>/dev/null && { held=1; break; }; done
-  if [ -n "$held" ]; then : >"$o"; else rm -f "$o"; fi
+for o in "$d"/c.*; do
+  [ -d "$o" ] || continue
+  p=; read -r p <"$o/pid" 2>/dev/null
+  if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then : >"$o/x"; else rm -rf "$o"; fi
 done
-f=$d/out.$ID; start=$SECONDS
-timeout -k "$K" "$T" bash -lc "$CMD" >>"$f" 2>&1 </dev/null &
+w=$d/c.$ID; mkdir -m 700 "$w" || exit 125
+cat >"$w/cmd"
+mkfifo -m 600 "$w/p" "$w/q" || exit 125
+echo 0 >"$w/n"; : >"$w/h"; : >"$w/c.0"; : >"$w/c.1"
+exec 5<>"$w/p" 6<>"$w/q" 8<"$w/p"
+u=; command -v stdbuf >/dev/null && u="stdbuf -o0"  # head's stdio would hold bytes back
+drain() {
+  echo "$BASHPID" >"$w/pid"
+  $u head -c "$H" >"$w/h"
+  n=0
+  while :; do
+    echo "$n" >"$w/n"
+    f=$w/c.$((n % 2)); [ -e "$w/x" ] && f=$w/c.d
+    $u head -c "$C" >"$f"
+    [ "$(stat -c %s "$f")" = "$C" ] || break
+    n=$((n + 1))
+  done
+  echo >&6
+}
+drain <"$w/p" >/dev/null 2>&1 5>&- 8>&- &
+dp=$!
+start=$SECONDS
+timeout -k "$K" "$T" bash -lc "eval \"\$(< $w/cmd)\"" >"$w/p" 2>&1 </dev/null 5>&- 6>&- 8>&- &
 pid=$!; wait "$pid"; rc=$?
 if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && [ $((SECONDS - start)) -ge "${T%.*}" ]; then
   while kill -KILL -- "-$pid" 2>/dev/null; do :; done
 fi
-s=$(stat -c %s "$f" 2>/dev/null || echo 0)
-echo "belayer-meta $rc $s" >&2
-if [ "$s" -le "$MAX" ]; then head -c "$s" "$f"; else head -c $((MAX / 2)) "$f"; tail -c $((MAX - MAX / 2)) "$f"; fi
-: >"$f"
+drained() {
+  read -t 0 -u 8 && return 1
+  local kids=() k wc
+  read -r -a kids <"/proc/$dp/task/$dp/children" 2>/dev/null
+  [ "${#kids[@]}" -gt 0 ] || return 1
+  for k in "${kids[@]}"; do
+    wc=; read -r wc <"/proc/$k/wchan" 2>/dev/null
+    case "$wc" in *pipe_read*) ;; *) return 1 ;; esac
+  done
+}
+kill -0 -- "-$pid" 2>/dev/null || exec 5>&-
+i=0
+until read -t 0.02 -u 6 _; do
+  drained && break
+  i=$((i + 1)); [ "$i" -ge 150 ] && break
+done
+exec 5>&- 8>&-
+for _ in 1 2 3; do
+  read -r n <"$w/n"; set -- $(stat -c %s "$w/h" "$w/c.0" "$w/c.1"); hs=$1 s0=$2 s1=$3
+  read -r n2 <"$w/n"; [ "$n" = "$n2" ] && break
+done
+if [ $((n % 2)) = 0 ]; then cur=$w/c.0 cs=$s0 prev=$w/c.1; else cur=$w/c.1 cs=$s1 prev=$w/c.0; fi
+total=$((hs + n * C + cs)); rest=$((total - hs)); keep=$rest; [ "$keep" -gt "$TL" ] && keep=$TL
+echo "belayer-meta $rc $total" >&2
+cat "$w/h" 2>/dev/null
+if [ "$keep" -gt 0 ]; then
+  if [ "$n" -gt 0 ]; then cat "$prev" "$cur"; else cat "$cur"; fi | tail -c "$keep"
+fi
+if kill -0 "$dp" 2>/dev/null; then : >"$w/x"; rm -f "$w/h" "$w/c.0" "$w/c.1" "$w/cmd"; else rm -rf "$w"; fi
 exit "$rc"
 """
 TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight
@@ -68,7 +127,11 @@ POLL_S = 0.2
 
 def create_container(client: docker.DockerClient, config: SandboxConfig, name: str,
                      labels: dict[str, str] | None = None) -> Any:
-    """Create (not start) a container for ``config``: the one recipe shared with restore."""
+    """Create (not start) a container for ``config``: the one recipe shared with restore.
+
+    Capabilities are cut to ``config.capabilities`` and, with ``config.disk``, the writable
+    layer is put on a file system of that size (``belayer_env.disk``) before anything runs.
+    """
     all_labels = {**config.labels, **owner_labels(name), **(labels or {})}
     with translate_errors(f"create sandbox {name}"):
         try:
@@ -77,25 +140,42 @@ def create_container(client: docker.DockerClient, config: SandboxConfig, name: s
             raise UsageError(
                 f"image {config.image!r} not found; build the base image with `bash scripts/setup.sh`"
             ) from e
-        return client.containers.create(
-            config.image,
-            command=INIT_COMMAND,
-            name=name,
-            working_dir=config.cwd if config.cwd != "/" else None,
-            environment=config.env,
-            labels=all_labels,
-            network_mode=None if config.network else "none",
-            mem_limit=config.memory,
-            memswap_limit=config.memory,
-            pids_limit=config.pids_limit,
-            nano_cpus=int(config.cpus * 1e9),
-            privileged=False,
-            security_opt=["no-new-privileges"],
-            tmpfs=OUTPUT_TMPFS,
-            tty=False,
-            stdin_open=False,
-            detach=True,
-        )
+        try:
+            container = client.containers.create(
+                config.image,
+                command=INIT_COMMAND,
+                name=name,
+                working_dir=config.cwd if config.cwd != "/" else None,
+                environment=config.env,
+                labels=all_labels,
+                network_mode=None if config.network else "none",
+                mem_limit=config.memory,
+                memswap_limit=config.memory,
+                pids_limit=config.pids_limit,
+                nano_cpus=int(config.cpus * 1e9),
+                privileged=False,
+                security_opt=["no-new-privileges"],
+                cap_drop=["ALL"],
+                cap_add=list(config.capabilities),
+                tmpfs=OUTPUT_TMPFS,
+                tty=False,
+                stdin_open=False,
+                detach=True,
+            )
+        except docker.errors.APIError as e:
+            if e.status_code == 400:  # the daemon refused a setting (e.g. more CPUs than the host has)
+                raise ConfigError(f"Docker refused the sandbox config: {e.explanation or e}") from e
+            raise
+    if config.disk_bytes is not None:
+        try:
+            with translate_errors(f"inspect sandbox {name}"):
+                info = client.api.inspect_container(container.id)
+            limit_layer(info, config.disk_bytes)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.api.remove_container(container.id, force=True, v=True)
+            raise
+    return container
 
 
 class DockerSandbox:
@@ -108,12 +188,9 @@ class DockerSandbox:
 
     def __init__(self, config: SandboxConfig | None = None, *, name: str | None = None,
                  client: docker.DockerClient | None = None, **overrides: Any):
-        try:
-            if config is not None and overrides:
-                config = SandboxConfig(**{**config.model_dump(), **overrides})
-            self.config = config if config is not None else SandboxConfig(**overrides)
-        except ValidationError as e:
-            raise ConfigError(f"invalid sandbox config: {e}") from e
+        if config is not None and not isinstance(config, SandboxConfig):
+            raise ConfigError(f"config must be a SandboxConfig, got {type(config).__name__}")
+        self.config = SandboxConfig.merged(config, overrides)  # ConfigError naming each bad field
         self.client = client or connect(self.config.docker_host)
         self.name = name or f"{self.config.name_prefix}-{uuid.uuid4().hex[:12]}"
         container = create_container(self.client, self.config, self.name)
@@ -151,32 +228,46 @@ class DockerSandbox:
             raise InvalidAction(f"action must be a str (one bash command), got {type(action).__name__}")
         if "\x00" in action:
             raise InvalidAction("action contains a NUL byte, which bash cannot receive")
+        try:
+            script = action.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidAction(f"action is not valid text ({e.reason} at index {e.start})") from e
+        if len(script) > MAX_COMMAND_BYTES:
+            raise InvalidAction(f"command is {len(script)} bytes; the limit is {MAX_COMMAND_BYTES} bytes (1 MiB): "
+                                "write long content with several commands or copy it in as a file")
         limit = self.config.timeout if timeout is None else float(timeout)
-        if not limit > 0:
-            raise InvalidAction(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not (limit > 0 and math.isfinite(limit)):
+            raise InvalidAction(f"timeout must be > 0 seconds and finite, got {timeout!r}")
         if cwd and not cwd.startswith("/"):
             raise InvalidAction(f"cwd must be an absolute path, got {cwd!r}")
         self._require_open()
+        max_out = self.config.max_output_bytes
+        head, tail = max_out // 2, max_out - max_out // 2
         # coreutils' timeout owns the command's process group, so a timeout kills all of it
-        argv = ["bash", "-c", EXEC_WRAPPER, "belayer-exec", f"{limit:g}",
-                str(self.config.max_output_bytes), uuid.uuid4().hex[:16], action, str(KILL_GRACE_S)]
+        argv = ["bash", "-c", EXEC_WRAPPER, "belayer-exec", f"{limit:g}", str(head), str(tail),
+                uuid.uuid4().hex[:16], str(KILL_GRACE_S), str(max(tail, CHUNK_BYTES))]
         what = f"exec in sandbox {self.name}"
         api = self.client.api
-        collector = OutputCollector(self.config.max_output_bytes)
+        collector = OutputCollector(max_out)
         hits_before = self._limit_hits()
         with translate_errors(what):
-            exec_id = api.exec_create(self.container_id, argv, stdout=True, stderr=True, tty=False,
+            exec_id = api.exec_create(self.container_id, argv, stdout=True, stderr=True, stdin=True, tty=False,
                                       workdir=cwd or self.config.cwd, environment=self.config.env)["Id"]
             start = time.monotonic()
             sock = api.exec_start(exec_id, socket=True)
             reader = _StreamReader(sock, collector)
+            reader.send_and_close(script)
             exit_code = self._wait(api, exec_id, reader, start + limit + KILL_GRACE_S + TRANSPORT_GRACE_S)
         elapsed = time.monotonic() - start
         timed_out = exit_code in (124, 137) and elapsed >= limit
         self.check_alive(what)
         if exit_code is None:
             raise SandboxLost(f"{what}: the exec transport broke (no exit code after {elapsed:.1f} s)")
-        reader.apply_meta()
+        if not reader.apply_meta() and exit_code < 128:
+            # the wrapper never reported: what came back is the runtime's text (e.g. "OCI runtime
+            # exec failed"), not the command's output, and must not reach the agent
+            raise SandboxLost(f"{what}: the command could not be run (exit {exit_code}): "
+                              f"{_first_line(collector.text())}")
         output = collector.text()
         if timed_out:
             output += f"\n[belayer: command timed out after {limit:g} s and was killed]"
@@ -312,6 +403,11 @@ def _process_alive(pid: int) -> bool:
     return stat is not None and stat.running
 
 
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0][:300] if lines else "(no output)"
+
+
 class _StreamReader:
     """Reads a multiplexed exec stream on a thread into a bounded collector."""
 
@@ -336,12 +432,21 @@ class _StreamReader:
         finally:
             self.done.set()
 
-    def apply_meta(self) -> None:
-        """Tell the collector the full output size the wrapper saw (it sends only head + tail)."""
+    def send_and_close(self, data: bytes) -> None:
+        """Write the command to the exec's stdin and half-close it (the wrapper reads to EOF)."""
+        raw = getattr(self._sock, "_sock", self._sock)
+        raw.sendall(data)
+        raw.shutdown(socket.SHUT_WR)
+
+    def apply_meta(self) -> bool:
+        """Tell the collector the full output size the wrapper saw (it sends only head + tail);
+        False when the wrapper never reported (it did not run, or was killed)."""
         for line in self._stderr.decode("utf-8", "replace").splitlines():
             parts = line.split()
             if len(parts) == 3 and parts[0] == "belayer-meta" and parts[2].isdigit():
                 self.collector.total = max(self.collector.total, int(parts[2]))
+                return True
+        return False
 
     def close(self) -> None:
         raw = getattr(self._sock, "_sock", self._sock)
