@@ -185,3 +185,30 @@ class SandboxConfig(StrictModel):
     @property
     def disk_bytes(self) -> int | None:
         return None if self.disk is None else parse_size(self.disk)
+
+
+class ResetOptions(StrictModel):
+    """``env.reset(options=...)``: what the episode is about and how its sandbox starts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: str = ""
+    """The task text (the first observation)."""
+    setup: str | list[str] | None = None
+    """Command(s) run in the fresh sandbox before step 0 (each must exit 0)."""
+    image: str | None = None
+    """Image for this episode's sandbox (default: the env's ``SandboxConfig.image``)."""
+
+    @classmethod
+    def parse(cls, options: Any) -> ResetOptions:
+        if options is None:
+            return cls()
+        if not isinstance(options, dict):
+            raise ConfigError(f"reset options must be a dict, got {type(options).__name__}")
+        return cls(**options)
+
+    @property
+    def setup_commands(self) -> list[str]:
+        if isinstance(self.setup, str):
+            return [self.setup] if self.setup else []
+        return list(self.setup or [])
