@@ -1,13 +1,20 @@
-"""Find and remove sandbox containers whose owning process is gone."""
+"""Find and remove sandbox containers whose owning process is gone.
+
+A container can be wedged: left paused (its freezer cgroup FROZEN) by a capture whose
+process died, sometimes with a ``runc init`` stuck so that Docker's own calls on it hang.
+``remove_all`` thaws such a container through its cgroup first (no Docker call needed),
+then asks Docker (every call bounded by the client's timeout) to unpause and remove it,
+and reports a container it still cannot remove, with the reason, instead of failing.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import docker
 
 from belayer_env.config import MANAGED_LABEL
-from belayer_env.docker_api import translate_errors
+from belayer_env.docker_api import thaw, translate_errors
 from belayer_env.ownership import OWNER_HOST, OWNER_PID, SANDBOX_NAME, owner_alive
 
 
@@ -38,16 +45,35 @@ def list_managed(client: docker.DockerClient) -> list[ManagedContainer]:
     return out
 
 
-def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> list[str]:
-    """Force-remove ``containers``; return the ids removed (ones already gone are skipped)."""
-    removed = []
+@dataclass
+class GcReport:
+    removed: list[str] = field(default_factory=list)
+    """Ids removed (or already gone)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Id -> why it could not be removed."""
+
+
+def remove_all(client: docker.DockerClient, containers: list[ManagedContainer]) -> GcReport:
+    """Thaw (when paused) and force-remove each of ``containers``; one failure stops nothing."""
+    report = GcReport()
     for c in containers:
         try:
+            if c.status == "paused":
+                thaw(client, c.id)
             with translate_errors(f"remove container {c.name}"):
                 client.api.remove_container(c.id, force=True, v=True)
-        except Exception as e:  # already gone or being removed concurrently: not an error for gc
-            if "no such container" in str(e).lower() or "already in progress" in str(e):
-                continue
-            raise
-        removed.append(c.id)
-    return removed
+        except Exception as e:  # noqa: BLE001 - reported per container
+            msg = str(e)
+            if "no such container" in msg.lower() or "no longer exists" in msg or "already in progress" in msg:
+                report.removed.append(c.id)  # gone or going: what gc wanted
+            else:
+                report.failed[c.id] = msg.splitlines()[0][:300] if msg else type(e).__name__
+            continue
+        report.removed.append(c.id)
+    return report
+
+
+def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> list[str]:
+    """Force-remove ``containers``; return the ids removed (``remove_all`` also says why not)."""
+    return remove_all(client, containers).removed
+
