@@ -55,15 +55,17 @@ CHUNK_BYTES = 2**20  # the in-sandbox keeper rotates chunk files of this size fo
 # everything: the FIFO is empty and its ``head`` is blocked reading it; bounded), prints
 # the head and the tail to the exec pipe and "belayer-meta RC TOTAL" to stderr.
 EXEC_WRAPPER = r"""
-T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6
+T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6 CWD=$7
 d=/run/belayer; [ -d "$d" ] && [ -w "$d" ] || { d=/tmp/.belayer; mkdir -p -m 700 "$d"; }
 for o in "$d"/c.*; do
   [ -d "$o" ] || continue
-  p=; read -r p <"$o/pid" 2>/dev/null
+  p=; q=; read -r q <"$o/wpid" 2>/dev/null; read -r p <"$o/pid" 2>/dev/null
+  [ -n "$q" ] && kill -0 "$q" 2>/dev/null && continue  # its command is still running or being collected
   if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then : >"$o/x"; else rm -rf "$o"; fi
 done
 w=$d/c.$ID; mkdir -m 700 "$w" || exit 125
-cat >"$w/cmd"
+echo $$ >"$w/wpid"
+cat >"$w/cmd"; printf '%s' "$CWD" >"$w/cwd"
 mkfifo -m 600 "$w/p" "$w/q" || exit 125
 echo 0 >"$w/n"; : >"$w/h"; : >"$w/c.0"; : >"$w/c.1"
 exec 5<>"$w/p" 6<>"$w/q" 8<"$w/p"
@@ -84,7 +86,7 @@ drain() {
 drain <"$w/p" >/dev/null 2>&1 5>&- 8>&- &
 dp=$!
 start=$SECONDS
-timeout -k "$K" "$T" bash -lc "eval \"\$(< $w/cmd)\"" >"$w/p" 2>&1 </dev/null 5>&- 6>&- 8>&- &
+timeout -k "$K" "$T" bash -lc "cd -- \"\$(< $w/cwd)\" && eval \"\$(< $w/cmd)\"" >"$w/p" 2>&1 </dev/null 5>&- 6>&- 8>&- &
 pid=$!; wait "$pid"; rc=$?
 if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && [ $((SECONDS - start)) -ge "${T%.*}" ]; then
   while kill -KILL -- "-$pid" 2>/dev/null; do :; done
@@ -245,14 +247,16 @@ class DockerSandbox:
         head, tail = max_out // 2, max_out - max_out // 2
         # coreutils' timeout owns the command's process group, so a timeout kills all of it
         argv = ["bash", "-c", EXEC_WRAPPER, "belayer-exec", f"{limit:g}", str(head), str(tail),
-                uuid.uuid4().hex[:16], str(KILL_GRACE_S), str(max(tail, CHUNK_BYTES))]
+                uuid.uuid4().hex[:16], str(KILL_GRACE_S), str(max(tail, CHUNK_BYTES)), cwd or self.config.cwd]
         what = f"exec in sandbox {self.name}"
         api = self.client.api
         collector = OutputCollector(max_out)
         hits_before = self._limit_hits()
         with translate_errors(what):
+            # the wrapper starts in / and the command cds: a missing cwd is the command's failure
+            # (bash's message, exit 1), never the runtime's text
             exec_id = api.exec_create(self.container_id, argv, stdout=True, stderr=True, stdin=True, tty=False,
-                                      workdir=cwd or self.config.cwd, environment=self.config.env)["Id"]
+                                      workdir="/", environment=self.config.env)["Id"]
             start = time.monotonic()
             sock = api.exec_start(exec_id, socket=True)
             reader = _StreamReader(sock, collector)
