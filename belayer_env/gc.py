@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import docker
+import docker.errors
+import requests
 
 from belayer_env.config import MANAGED_LABEL
-from belayer_env.docker_api import thaw, translate_errors
+from belayer_env.docker_api import thaw, thaw_cgroup, translate_errors
 from belayer_env.ownership import OWNER_HOST, OWNER_PID, SANDBOX_NAME, owner_alive
 
 
@@ -54,20 +56,25 @@ class GcReport:
 
 
 def remove_all(client: docker.DockerClient, containers: list[ManagedContainer]) -> GcReport:
-    """Thaw (when paused) and force-remove each of ``containers``; one failure stops nothing."""
+    """Thaw and force-remove each of ``containers``; one failure stops nothing."""
     report = GcReport()
     for c in containers:
         try:
+            # a freezer can be FROZEN while Docker says "running" (a capture killed mid-pause):
+            # thaw through the cgroup first, always; Docker's unpause only where it knows
+            thaw_cgroup(c.id)
             if c.status == "paused":
                 thaw(client, c.id)
-            with translate_errors(f"remove container {c.name}"):
-                client.api.remove_container(c.id, force=True, v=True)
-        except Exception as e:  # noqa: BLE001 - reported per container
-            msg = str(e)
-            if "no such container" in msg.lower() or "no longer exists" in msg or "already in progress" in msg:
-                report.removed.append(c.id)  # gone or going: what gc wanted
-            else:
-                report.failed[c.id] = msg.splitlines()[0][:300] if msg else type(e).__name__
+            client.api.remove_container(c.id, force=True, v=True)
+        except docker.errors.NotFound:
+            pass  # gone already: what gc wanted
+        except docker.errors.APIError as e:
+            why = str(e.explanation or e)
+            if "already in progress" not in why:
+                report.failed[c.id] = why.strip()[-400:]
+                continue
+        except (requests.exceptions.RequestException, OSError) as e:
+            report.failed[c.id] = f"Docker did not answer ({type(e).__name__}: {str(e)[-200:]})"
             continue
         report.removed.append(c.id)
     return report
