@@ -119,7 +119,9 @@ cat "$w/h" 2>/dev/null
 if [ "$keep" -gt 0 ]; then
   if [ "$n" -gt 0 ]; then cat "$prev" "$cur"; else cat "$cur"; fi | tail -c "$keep"
 fi
-if kill -0 "$dp" 2>/dev/null; then : >"$w/x"; rm -f "$w/h" "$w/c.0" "$w/c.1" "$w/cmd"; else rm -rf "$w"; fi
+# a keeper still draining a background job: its files are truncated, never removed (its head
+# goes on writing at its offset into a hole; its chunk size check must still see a full chunk)
+if kill -0 "$dp" 2>/dev/null; then : >"$w/x"; : >"$w/h"; : >"$w/c.0"; : >"$w/c.1"; rm -f "$w/cmd"; else rm -rf "$w"; fi
 exit "$rc"
 """
 TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight

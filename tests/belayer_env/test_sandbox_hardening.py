@@ -63,6 +63,28 @@ def test_output_of_a_background_job_stays_bounded(sandbox):
     assert sandbox.execute("echo next")["output"] == "next\n"
 
 
+WRITER = """python3 -c 'import sys, time
+b = b"z" * 100000
+for i in range(3000):
+    sys.stdout.buffer.write(b)
+    sys.stdout.flush()
+open("/tmp/bg.done", "w").close()
+time.sleep(600)' & echo $! > /tmp/bg.pid; sleep 0.5; echo started"""
+
+
+def test_background_writer_survives_collection_mid_chunk(sandbox):
+    """A job writing before, during and after its command is collected (the keeper is in the
+    middle of a chunk then): it must never see EPIPE (300 MB, then alive), and stay bounded."""
+    r = sandbox.execute(WRITER)
+    # its tail is whatever the job wrote last (it never stops while collected): no "started" check
+    assert r["returncode"] == 0 and r["output"].startswith("zzz") and "output truncated" in r["output"]
+    wait_until(lambda: sandbox.execute("test -e /tmp/bg.done")["returncode"] == 0, 180,
+               "the background writer to finish 300 MB (it died of EPIPE if this never happens)")
+    assert sandbox.execute("kill -0 $(cat /tmp/bg.pid) && echo alive")["output"] == "alive\n"
+    used = int(sandbox.execute("du -sk /run/belayer | cut -f1")["output"])
+    assert used < 4 * 1024, f"{used} KiB staged for a collected background job"
+
+
 # ---------------------------------------------------------------------------------- long commands
 
 
