@@ -65,30 +65,3 @@ def translate_errors(what: str) -> Iterator[None]:
         raise DaemonUnavailable(f"{what}: Docker API request failed ({_short(e)})") from e
     except docker.errors.DockerException as e:
         raise DaemonUnavailable(f"{what}: {_short(e)}") from e
-
-
-FREEZER_PATHS = ("/sys/fs/cgroup/freezer/docker/{id}/freezer.state",  # cgroup v1, cgroupfs driver
-                 "/sys/fs/cgroup/freezer/system.slice/docker-{id}.scope/freezer.state",  # v1, systemd
-                 "/sys/fs/cgroup/system.slice/docker-{id}.scope/cgroup.freeze",  # v2, systemd
-                 "/sys/fs/cgroup/docker/{id}/cgroup.freeze")  # v2, cgroupfs
-
-
-def thaw_cgroup(container_id: str) -> bool:
-    """Thaw a frozen container through its freezer cgroup, without Docker (which may hang on a
-    container whose ``runc init`` is stuck in the freezer). True when a freezer was found."""
-    for pattern in FREEZER_PATHS:
-        path = pattern.format(id=container_id)
-        if os.path.exists(path):
-            with open(path, "w") as f:
-                f.write("THAWED" if path.endswith("freezer.state") else "0")
-            return True
-    return False
-
-
-def thaw(client: docker.DockerClient, container_id: str) -> None:
-    """Thaw a paused container: its cgroup first, then Docker's unpause (so Docker's state agrees);
-    errors of the latter are ignored (a removal that follows reports what still fails)."""
-    with contextlib.suppress(OSError):
-        thaw_cgroup(container_id)
-    with contextlib.suppress(docker.errors.DockerException, requests.exceptions.RequestException, OSError):
-        client.api.unpause(container_id)

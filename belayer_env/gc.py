@@ -9,14 +9,16 @@ and reports a container it still cannot remove, with the reason, instead of fail
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import docker
 import docker.errors
 import requests
 
+from belayer_env import freezer
 from belayer_env.config import MANAGED_LABEL
-from belayer_env.docker_api import thaw, thaw_cgroup, translate_errors
+from belayer_env.docker_api import translate_errors
 from belayer_env.ownership import OWNER_HOST, OWNER_PID, SANDBOX_NAME, owner_alive
 
 
@@ -62,9 +64,10 @@ def remove_all(client: docker.DockerClient, containers: list[ManagedContainer]) 
         try:
             # a freezer can be FROZEN while Docker says "running" (a capture killed mid-pause):
             # thaw through the cgroup first, always; Docker's unpause only where it knows
-            thaw_cgroup(c.id)
+            freezer.thaw(c.id)
             if c.status == "paused":
-                thaw(client, c.id)
+                with contextlib.suppress(docker.errors.APIError):
+                    client.api.unpause(c.id)  # so that Docker's state agrees (bounded by the client's timeout)
             client.api.remove_container(c.id, force=True, v=True)
         except docker.errors.NotFound:
             pass  # gone already: what gc wanted

@@ -56,14 +56,14 @@ def test_gc_thaws_wedged_containers_and_reports_one_it_cannot_remove(docker_clie
     mid-pause), one paused through Docker, one Docker cannot remove (an immutable file in its
     layer; a capped layer is unmounted as a whole, so this one has none). gc removes the first
     two and reports the third with the reason."""
-    from belayer_env.docker_api import FREEZER_PATHS
+    from belayer_env import freezer
 
     p = subprocess.run([sys.executable, "-c", WEDGED], capture_output=True, text=True, timeout=180,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     frozen, paused, stuck = p.stdout.split()
-    freezer = next(path for path in (f.format(id=frozen) for f in FREEZER_PATHS) if os.path.exists(path))
-    with open(freezer, "w") as f:
-        f.write("FROZEN" if freezer.endswith("freezer.state") else "1")
+    control = freezer.control_file(frozen)
+    control.write_text("FROZEN" if control.name == "freezer.state" else "1")
+    assert freezer.is_frozen(frozen)
     docker_client.api.pause(paused)
     upper = docker_client.api.inspect_container(stuck)["GraphDriver"]["Data"]["UpperDir"]
     pinned = os.path.join(upper, "pinned")
