@@ -53,7 +53,9 @@ CHUNK_BYTES = 2**20  # the in-sandbox keeper rotates chunk files of this size fo
 # draining into one chunk file. When the command exits, the wrapper waits for the keeper's
 # end of stream (or, while background jobs still hold the FIFO, until the keeper has read
 # everything: the FIFO is empty and its ``head`` is blocked reading it; bounded), prints
-# the head and the tail to the exec pipe and "belayer-meta RC TOTAL" to stderr.
+# the head and the tail to the exec pipe and "belayer-meta RC TOTAL SENT" to stderr, and exits 0.
+# So the host knows a complete result (exit 0, a report, SENT bytes received) from one the
+# transport cut (SandboxLost) and from a wrapper the command killed (its signal exit code).
 EXEC_WRAPPER = r"""
 T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6 CWD=$7
 d=/run/belayer; [ -d "$d" ] && [ -w "$d" ] || { d=/tmp/.belayer; mkdir -p -m 700 "$d"; }
@@ -108,21 +110,25 @@ until read -t 0.02 -u 6 _; do
   i=$((i + 1)); [ "$i" -ge 150 ] && break
 done
 exec 5>&- 8>&-
+sz() { stat -c %s "$1" 2>/dev/null || echo 0; }  # 0 when the command removed our files
 for _ in 1 2 3; do
-  read -r n <"$w/n"; set -- $(stat -c %s "$w/h" "$w/c.0" "$w/c.1"); hs=$1 s0=$2 s1=$3
-  read -r n2 <"$w/n"; [ "$n" = "$n2" ] && break
+  n=0; read -r n <"$w/n"; hs=$(sz "$w/h") s0=$(sz "$w/c.0") s1=$(sz "$w/c.1")
+  n2=; read -r n2 <"$w/n"; [ "$n" = "$n2" ] && break
 done
 if [ $((n % 2)) = 0 ]; then cur=$w/c.0 cs=$s0 prev=$w/c.1; else cur=$w/c.1 cs=$s1 prev=$w/c.0; fi
 total=$((hs + n * C + cs)); rest=$((total - hs)); keep=$rest; [ "$keep" -gt "$TL" ] && keep=$TL
-echo "belayer-meta $rc $total" >&2
-cat "$w/h" 2>/dev/null
+if [ "$n" -gt 0 ]; then have=$(($(sz "$prev") + cs)); else have=$cs; fi
+[ "$keep" -gt "$have" ] && keep=$have
+# RC, bytes the command wrote, bytes sent below: fewer received means the transport was cut
+echo "belayer-meta $rc $total $((hs + keep))" >&2
+head -c "$hs" "$w/h" 2>/dev/null
 if [ "$keep" -gt 0 ]; then
-  if [ "$n" -gt 0 ]; then cat "$prev" "$cur"; else cat "$cur"; fi | tail -c "$keep"
+  if [ "$n" -gt 0 ]; then cat "$prev" "$cur"; else cat "$cur"; fi 2>/dev/null | tail -c "$keep"
 fi
 # a keeper still draining a background job: its files are truncated, never removed (its head
 # goes on writing at its offset into a hole; its chunk size check must still see a full chunk)
 if kill -0 "$dp" 2>/dev/null; then : >"$w/x"; : >"$w/h"; : >"$w/c.0"; : >"$w/c.1"; rm -f "$w/cmd"; else rm -rf "$w"; fi
-exit "$rc"
+exit 0  # the command's code is in the report: a nonzero exec exit means the wrapper itself died
 """
 TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight
 TRANSPORT_GRACE_S = 15.0  # past timeout + grace with no end of stream: the transport is broken
@@ -265,15 +271,24 @@ class DockerSandbox:
             reader.send_and_close(script)
             exit_code = self._wait(api, exec_id, reader, start + limit + KILL_GRACE_S + TRANSPORT_GRACE_S)
         elapsed = time.monotonic() - start
-        timed_out = exit_code in (124, 137) and elapsed >= limit
         self.check_alive(what)
         if exit_code is None:
             raise SandboxLost(f"{what}: the exec transport broke (no exit code after {elapsed:.1f} s)")
-        if not reader.apply_meta() and exit_code < 128:
-            # the wrapper never reported: what came back is the runtime's text (e.g. "OCI runtime
-            # exec failed"), not the command's output, and must not reach the agent
-            raise SandboxLost(f"{what}: the command could not be run (exit {exit_code}): "
-                              f"{_first_line(collector.text())}")
+        meta = reader.apply_meta()
+        if meta is None:
+            if exit_code == 0 or exit_code < 128:
+                # the wrapper finished but its report was lost (the stream was cut), or it never
+                # ran: what came back is a fragment or the runtime's text (e.g. "OCI runtime exec
+                # failed"), not the command's output, and must not reach the agent
+                raise SandboxLost(f"{what}: the command's report did not arrive (exec exit {exit_code}): "
+                                  f"{_first_line(collector.text())}")
+            returncode = exit_code  # the wrapper was killed (the command ran `kill -9 -1`): its outcome
+        else:
+            returncode, sent = meta
+            if reader.received < sent:
+                raise SandboxLost(f"{what}: the exec stream was cut ({reader.received} of {sent} output "
+                                  f"bytes arrived; the command exited {returncode})")
+        timed_out = returncode in (124, 137) and elapsed >= limit
         output = collector.text()
         if timed_out:
             output += f"\n[belayer: command timed out after {limit:g} s and was killed]"
@@ -282,7 +297,7 @@ class DockerSandbox:
             output += f"\n[belayer: a process was killed for exceeding the memory limit ({self.config.memory})]"
         if pids_after > hits_before[1]:
             output += f"\n[belayer: process creation failed at the sandbox's limit of {self.config.pids_limit} processes]"
-        result: dict[str, Any] = {"output": output, "returncode": exit_code}
+        result: dict[str, Any] = {"output": output, "returncode": returncode}
         if timed_out:
             result["timed_out"] = True
         return result
@@ -423,6 +438,7 @@ class _StreamReader:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._stderr = b""
+        self.received = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="belayer-exec-reader")
         self._thread.start()
 
@@ -432,6 +448,7 @@ class _StreamReader:
                 if stream == 2:
                     self._stderr += data
                 else:
+                    self.received += len(data)
                     self.collector.feed(data)
         except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
             self.error = e
@@ -441,18 +458,22 @@ class _StreamReader:
     def send_and_close(self, data: bytes) -> None:
         """Write the command to the exec's stdin and half-close it (the wrapper reads to EOF)."""
         raw = getattr(self._sock, "_sock", self._sock)
-        raw.sendall(data)
-        raw.shutdown(socket.SHUT_WR)
+        try:
+            raw.sendall(data)
+            raw.shutdown(socket.SHUT_WR)
+        except OSError as e:
+            raise SandboxLost(f"the exec stream broke while the command was sent ({e})") from e
 
-    def apply_meta(self) -> bool:
+    def apply_meta(self) -> tuple[int, int] | None:
         """Tell the collector the full output size the wrapper saw (it sends only head + tail);
-        False when the wrapper never reported (it did not run, or was killed)."""
+        return (the command's exit code, the bytes the wrapper sent), or None when the report
+        did not arrive (the wrapper did not run, was killed, or the stream was cut)."""
         for line in self._stderr.decode("utf-8", "replace").splitlines():
             parts = line.split()
-            if len(parts) == 3 and parts[0] == "belayer-meta" and parts[2].isdigit():
+            if len(parts) == 4 and parts[0] == "belayer-meta" and all(p.isdigit() for p in parts[1:]):
                 self.collector.total = max(self.collector.total, int(parts[2]))
-                return True
-        return False
+                return int(parts[1]), int(parts[3])
+        return None
 
     def close(self) -> None:
         raw = getattr(self._sock, "_sock", self._sock)

@@ -125,6 +125,42 @@ def test_env_long_and_too_long_actions(make_env):
     assert "still" in obs and len(env.trajectory.steps) == 2
 
 
+def test_a_cut_exec_stream_is_never_a_result(docker_client):
+    """The transport cut as the command is sent, or while it runs shortly before it exits
+    (``execute`` used to return Docker's 126 with no output then, or a truncated result):
+    ``SandboxLost``, never a result."""
+    import threading
+
+    from belayer.errors import SandboxLost
+    from belayer_env.docker_api import connect
+    from belayer_env.faults import TransportBreaker
+
+    client = connect()  # its own client: the breaker wraps this one's exec_start
+    breaker = TransportBreaker(client)
+    with DockerSandbox(client=client) as sb:
+        breaker.cut_next()
+        with pytest.raises(SandboxLost):
+            sb.execute("echo ran > /tmp/ran")
+        upper = docker_client.api.inspect_container(sb.container_id)["GraphDriver"]["Data"]["UpperDir"]
+        started = os.path.join(upper, "tmp", "started")
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = sb.execute("touch /tmp/started; sleep 1; echo out")
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                outcome["error"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_until(lambda: os.path.exists(started), 30, "the command to start")
+        breaker.break_all()
+        t.join(60)
+        assert "result" not in outcome, f"a cut stream came back as a result: {outcome}"
+        assert isinstance(outcome["error"], SandboxLost), outcome
+        assert sb.execute("echo fine")["output"] == "fine\n"  # the sandbox itself is alive
+
+
 # ---------------------------------------------------------------------------------- disk
 
 
