@@ -109,6 +109,18 @@ def check_kernel() -> list[Check]:
     ]
 
 
+def check_disk_cap() -> Check:
+    """The default sandbox disk cap (``SandboxConfig.disk``) loop-mounts an ext4 per sandbox."""
+    missing = [t for t in ("mkfs.ext4", "mount") if not shutil.which(t)]
+    if os.geteuid() != 0:
+        missing.append("root")
+    if not os.path.exists("/dev/loop-control"):
+        missing.append("loop devices (/dev/loop-control)")
+    return Check("sandbox disk cap", not missing, "mkfs.ext4, mount, loop devices, root" if not missing
+                 else f"missing: {', '.join(missing)}",
+                 "apt-get install e2fsprogs mount; modprobe loop; run as root — or create sandboxes with disk=None")
+
+
 def check_engine() -> list[Check]:
     missing = [m for m in ("torch", "aiohttp", "safetensors") if importlib.util.find_spec(m) is None]
     return [Check("engine packages", not missing, "torch, aiohttp, safetensors importable" if not missing
@@ -117,4 +129,4 @@ def check_engine() -> list[Check]:
 
 
 def run_checks() -> list[Check]:
-    return [*check_docker(), *check_criu(), *check_kernel(), *check_engine()]
+    return [*check_docker(), *check_criu(), *check_kernel(), check_disk_cap(), *check_engine()]

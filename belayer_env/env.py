@@ -23,12 +23,12 @@ from typing import Any
 
 import docker
 import gymnasium as gym
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from belayer.errors import InfraError, SandboxLost, UsageError
+from belayer.errors import ConfigError, InfraError, SandboxLost, UsageError
 from belayer.procfs import read_stat
 from belayer_env.checkpointing import Checkpointer
-from belayer_env.config import SandboxConfig
+from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence, sandbox_containers
 from belayer_env.phases import Phase, PhaseHook
@@ -45,25 +45,25 @@ OWN_EXIT_WAIT_S = 5.0
 OBSERVATION_TEMPLATE = "<returncode>{returncode}</returncode>\n<output>\n{output}</output>"
 
 
-class EnvConfig(BaseModel):
+class EnvConfig(StrictModel):
     """How the env runs, recovers and formats (the sandbox has its own config)."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     observation_template: str = OBSERVATION_TEMPLATE
-    max_steps: int | None = None
+    max_steps: int | None = Field(default=None, ge=1)
     """Truncate the episode after this many committed steps (None: never)."""
     checkpoint_dir: str | None = None
     """Checkpoint store directory (None: a private temporary one, removed at close)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = Field(default=3, ge=1)
     runtime: bool = True
     """Capture process state with CRIU (False: file-system-only checkpoints)."""
     allow_degraded: bool = False
     """Accept a file-system-only restore when the runtime cannot be restored (reported)."""
-    recovery_attempts: int = 4
+    recovery_attempts: int = Field(default=4, ge=1)
     """Restore attempts per failure before the episode is given up (the error is raised)."""
-    pending_wait_s: float = 30.0
+    pending_wait_s: float = Field(default=30.0, ge=0)
     """On failure, how long to wait for a capture still being written (it predates the fault)."""
 
 
@@ -101,10 +101,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
     def __init__(self, config: EnvConfig | None = None, *,
                  checkpoint_policy: PolicyName | CheckpointPolicy = "adaptive",
                  reward: Reward | None = None, client: docker.DockerClient | None = None,
-                 **sandbox_overrides: Any):
-        config = config or EnvConfig()
-        if sandbox_overrides:
-            config = config.model_copy(update={"sandbox": config.sandbox.model_copy(update=sandbox_overrides)})
+                 **overrides: Any):
+        config = with_overrides(config, overrides)  # validated like a fresh config: ConfigError
         self.config = config
         self.policy = make_policy(checkpoint_policy)
         self.reward_fn: Reward = reward or ZeroReward()
@@ -136,17 +134,15 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict]:
         super().reset(seed=seed)
+        opts = ResetOptions.parse(options)  # before anything is torn down: a bad option changes nothing
         self._own_exits = {}
-        options = dict(options or {})
         self._done = True  # until the new sandbox is ready
         self.checkpointer.reset()
         self._fence()
         self.sandbox = None
-        setup = options.get("setup") or []
-        self._setup = [setup] if isinstance(setup, str) else list(setup)
-        image = options.get("image")
-        self._episode_config = self.config.sandbox.model_copy(update={"image": image}) if image else self.config.sandbox
-        self.trajectory = Trajectory(task=str(options.get("task", "")))
+        self._setup = opts.setup_commands
+        self._episode_config = SandboxConfig.merged(self.config.sandbox, {"image": opts.image} if opts.image else {})
+        self.trajectory = Trajectory(task=opts.task)
         self.policy.observe_rollback(0)
         self.name = self._new_name()
         for attempt in range(self.config.recovery_attempts):
@@ -370,6 +366,22 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _record(self, kind: str, at_step: int, error: BaseException | None = None, **extra: Any) -> None:
         self.trajectory.record(kind, at_step, error, **extra)  # type: ignore[arg-type]
+
+
+def with_overrides(config: EnvConfig | None, overrides: dict[str, Any]) -> EnvConfig:
+    """``config`` (default: ``EnvConfig()``) with keyword overrides (``gym.make`` kwargs): names of
+    ``EnvConfig`` fields set the env, every other name the sandbox; all validated (``ConfigError``)."""
+    if config is not None and not isinstance(config, EnvConfig):
+        raise ConfigError(f"config must be an EnvConfig, got {type(config).__name__}")
+    config = config or EnvConfig()
+    if not overrides:
+        return config
+    env_fields = {k: v for k, v in overrides.items() if k in EnvConfig.model_fields}
+    base = env_fields.pop("sandbox", config.sandbox)
+    if isinstance(base, dict):
+        base = SandboxConfig(**base)
+    sandbox = SandboxConfig.merged(base, {k: v for k, v in overrides.items() if k not in EnvConfig.model_fields})
+    return EnvConfig(**{**dict(config), **env_fields, "sandbox": sandbox})
 
 
 def _first_line(output: str) -> str:

@@ -1,11 +1,22 @@
-"""Find and remove sandbox containers whose owning process is gone."""
+"""Find and remove sandbox containers whose owning process is gone.
+
+A container can be wedged: left paused (its freezer cgroup FROZEN) by a capture whose
+process died, sometimes with a ``runc init`` stuck so that Docker's own calls on it hang.
+``remove_all`` thaws such a container through its cgroup first (no Docker call needed),
+then asks Docker (every call bounded by the client's timeout) to unpause and remove it,
+and reports a container it still cannot remove, with the reason, instead of failing.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 
 import docker
+import docker.errors
+import requests
 
+from belayer_env import freezer
 from belayer_env.config import MANAGED_LABEL
 from belayer_env.docker_api import translate_errors
 from belayer_env.ownership import OWNER_HOST, OWNER_PID, SANDBOX_NAME, owner_alive
@@ -38,16 +49,41 @@ def list_managed(client: docker.DockerClient) -> list[ManagedContainer]:
     return out
 
 
-def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> list[str]:
-    """Force-remove ``containers``; return the ids removed (ones already gone are skipped)."""
-    removed = []
+@dataclass
+class GcReport:
+    removed: list[str] = field(default_factory=list)
+    """Ids removed (or already gone)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Id -> why it could not be removed."""
+
+
+def remove_all(client: docker.DockerClient, containers: list[ManagedContainer]) -> GcReport:
+    """Thaw and force-remove each of ``containers``; one failure stops nothing."""
+    report = GcReport()
     for c in containers:
         try:
-            with translate_errors(f"remove container {c.name}"):
-                client.api.remove_container(c.id, force=True, v=True)
-        except Exception as e:  # already gone or being removed concurrently: not an error for gc
-            if "no such container" in str(e).lower() or "already in progress" in str(e):
+            # a freezer can be FROZEN while Docker says "running" (a capture killed mid-pause):
+            # thaw through the cgroup first, always; Docker's unpause only where it knows
+            freezer.thaw(c.id)
+            if c.status == "paused":
+                with contextlib.suppress(docker.errors.APIError):
+                    client.api.unpause(c.id)  # so that Docker's state agrees (bounded by the client's timeout)
+            client.api.remove_container(c.id, force=True, v=True)
+        except docker.errors.NotFound:
+            pass  # gone already: what gc wanted
+        except docker.errors.APIError as e:
+            why = str(e.explanation or e)
+            if "already in progress" not in why:
+                report.failed[c.id] = why.strip()[-400:]
                 continue
-            raise
-        removed.append(c.id)
-    return removed
+        except (requests.exceptions.RequestException, OSError) as e:
+            report.failed[c.id] = f"Docker did not answer ({type(e).__name__}: {str(e)[-200:]})"
+            continue
+        report.removed.append(c.id)
+    return report
+
+
+def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> list[str]:
+    """Force-remove ``containers``; return the ids removed (``remove_all`` also says why not)."""
+    return remove_all(client, containers).removed
+

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except BelayerError as e:
         print(f"belayer {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except OSError as e:  # e.g. a store path that cannot be read: one line, not a traceback
+        print(f"belayer {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"belayer {args.command}: interrupted", file=sys.stderr)
         return 130

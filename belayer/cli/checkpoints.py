@@ -31,30 +31,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from belayer.errors import UsageError
-    from belayer_env.checkpoint.store import CheckpointStore
+    from belayer.errors import CheckpointNotFound, UsageError
+    from belayer_env.checkpoint.store import CheckpointStore, default_store_path
 
-    store = CheckpointStore(args.store, keep=None)
-    if args.action == "ls":
-        cks = store.list(args.sandbox)
-        if args.json:
-            print(json.dumps({"store": str(store.path), "total_bytes": sum(c.size_bytes for c in cks),
-                              "checkpoints": [_as_dict(c) for c in cks]}, indent=2))
-        else:
-            for c in cks:
-                kind = "full" if c.has_runtime else "fs-only"
-                print(f"{c.id}  step {c.step:<5} {kind:<7} {c.size_bytes / 1e6:8.1f} MB  "
-                      f"frozen {c.frozen_s * 1e3:6.0f} ms  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.created))}")
-            print(f"{len(cks)} checkpoints, {sum(c.size_bytes for c in cks) / 1e6:.1f} MB in {store.path}")
-        return 0
-    if not (args.ids or args.sandbox or args.incomplete):
+    if args.action == "rm" and not (args.ids or args.sandbox or args.incomplete):
         raise UsageError("rm needs checkpoint ids, --sandbox NAME or --incomplete")
+    path = args.store or default_store_path()
+    try:
+        # create=False: these commands create nothing; a missing --store is a usage error
+        store = CheckpointStore(path, keep=None, create=False)
+    except UsageError:
+        if args.store:
+            raise
+        store = None  # the default store does not exist yet: nothing to list or remove
+    if args.action == "ls":
+        return _ls(args, store, path)
+    if store is None:
+        if args.ids or args.sandbox:
+            raise CheckpointNotFound(f"no checkpoint store at {path} (nothing was ever checkpointed there)")
+        print("removed 0 incomplete leftovers")
+        return 0
     removed = []
     for ck_id in args.ids:
         store.remove(ck_id)  # CheckpointNotFound (a UsageError) for an unknown id
         removed.append(ck_id)
     if args.sandbox:
-        removed += store.prune(args.sandbox, keep=0)
+        gone = store.prune(args.sandbox, keep=0)
+        if not gone:
+            raise CheckpointNotFound(f"no checkpoints of sandbox {args.sandbox!r} in {store.path}")
+        removed += gone
     cleaned = store.clean_incomplete() if args.incomplete else []
     if args.json:
         print(json.dumps({"removed": removed, "incomplete_removed": cleaned}, indent=2))
@@ -63,6 +68,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"removed  {r}")
         if args.incomplete:
             print(f"removed {len(cleaned)} incomplete leftovers")
+    return 0
+
+
+def _ls(args: argparse.Namespace, store, path) -> int:
+    cks = store.list(args.sandbox) if store is not None else []
+    if args.json:
+        print(json.dumps({"store": str(path), "total_bytes": sum(c.size_bytes for c in cks),
+                          "checkpoints": [_as_dict(c) for c in cks]}, indent=2))
+        return 0
+    for c in cks:
+        kind = "full" if c.has_runtime else "fs-only"
+        print(f"{c.id}  step {c.step:<5} {kind:<7} {c.size_bytes / 1e6:8.1f} MB  "
+              f"frozen {c.frozen_s * 1e3:6.0f} ms  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c.created))}")
+    where = f"in {path}" if store is not None else f"(no store yet at {path})"
+    print(f"{len(cks)} checkpoints, {sum(c.size_bytes for c in cks) / 1e6:.1f} MB {where}")
     return 0
 
 

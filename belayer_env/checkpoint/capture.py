@@ -23,6 +23,7 @@ from typing import Any
 import docker
 
 from belayer.errors import BelayerError, CheckpointFailed, InfraError, UsageError
+from belayer_env import disk
 from belayer_env.checkpoint import layer, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, copy_hashed, write_manifest
 from belayer_env.checkpoint.store import CheckpointStore
@@ -61,16 +62,18 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
             ck_id = new_id(sandbox.name, step)
             if runtime and (why := runtime_unavailable(sandbox)):
                 raise CheckpointFailed(f"runtime checkpoint unavailable: {why}; pass runtime=False for a file-system-only (degraded) checkpoint")
-            scratch = store.new_scratch(ck_id)
             info = _inspect(sandbox)
             upper = layer.upper_dir(info)
+            _check_space(sandbox, info, store)  # before the freeze: a too-large layer never freezes
+            scratch = store.new_scratch(ck_id)
             phase = "freeze"
-            frozen_s = _frozen_part(sandbox, info, upper, scratch, runtime, hook, _abort)
+            frozen_s = _frozen_part(sandbox, info, upper, scratch, runtime, hook, _abort, store.max_layer_bytes)
             phase = "thawed"
             if _thawed is not None:
                 _thawed.set()
             hook(Phase.THAWED)
             phase = "write"
+            _check_free(store.path, _tree_bytes(scratch), "the checkpoint store")
             staging = store.new_staging(ck_id)
             files = _write_artifacts(scratch, staging)
             hook(Phase.WRITTEN)
@@ -124,7 +127,7 @@ def _inspect(sandbox: Sandbox) -> dict[str, Any]:
 
 
 def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: Path, with_runtime: bool,
-                 hook: PhaseHook, abort: threading.Event | None = None) -> float:
+                 hook: PhaseHook, abort: threading.Event | None = None, max_layer: int | None = None) -> float:
     """Pause, dump + tar the layer side by side, unpause; return the seconds spent frozen."""
     api, cid = sandbox.client.api, sandbox.container_id
     with translate_errors(f"pause sandbox {sandbox.name}"):
@@ -134,7 +137,7 @@ def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: P
     tar = None
     try:
         hook(Phase.FROZEN)
-        tar = layer.Capture(upper, scratch / "layer.tar")
+        tar = layer.Capture(upper, scratch / "layer.tar", max_layer)
         if with_runtime:
             runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network,
                          abort=abort)
@@ -144,7 +147,7 @@ def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: P
         except layer.LayerChanged:
             # CRIU's dump mkdtemp()s under the container's /tmp (copy-up, then rmdir): a
             # tar racing it sees the tree move. The dump is over now: tar again, still frozen.
-            tar = layer.Capture(upper, scratch / "layer.tar")
+            tar = layer.Capture(upper, scratch / "layer.tar", max_layer)
             tar.wait()
         hook(Phase.LAYER_CAPTURED)
     finally:
@@ -153,6 +156,29 @@ def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: P
         with translate_errors(f"unpause sandbox {sandbox.name}"):
             api.unpause(cid)
     return time.monotonic() - t
+
+
+def _check_space(sandbox: Any, info: dict[str, Any], store: CheckpointStore) -> None:
+    """Refuse a capture whose layer is over the store's limit, or that the scratch space (RAM,
+    by default) cannot hold: the layer plus process memory up to the sandbox's memory limit."""
+    used = disk.usage(info)
+    if used is not None and used > store.max_layer_bytes:
+        raise CheckpointFailed(f"checkpoint of sandbox {sandbox.name} refused: its writable layer holds {used} bytes, "
+                               f"over the checkpoint limit of {store.max_layer_bytes} bytes "
+                               "(CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
+    layer_bound = store.max_layer_bytes if used is None else used
+    _check_free(store.scratch_root, layer_bound + sandbox.config.memory_bytes, "the capture scratch space")
+
+
+def _check_free(path: Path, need: int, what: str) -> None:
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise CheckpointFailed(f"not enough space in {what} ({path}): {free} bytes free, the capture needs up to {need}")
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def _write_artifacts(scratch: Path, staging: Path) -> dict[str, dict[str, Any]]:

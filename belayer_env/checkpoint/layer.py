@@ -11,6 +11,7 @@ sha256 into ``tar -x`` and refuses the layer if the hash disagrees.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ TAR_OPTS = ["--format=posix", "--xattrs", "--xattrs-include=*", "--numeric-owner
 
 class LayerError(Exception):
     """The layer could not be captured or installed (message says why)."""
+
+
+class LayerTooLarge(LayerError):
+    """The layer's tar grew past the capture limit (``CheckpointStore.max_layer_bytes``)."""
 
 
 class LayerChanged(LayerError):
@@ -41,16 +46,22 @@ class Capture:
     """``tar`` of the upperdir running in the background (started once frozen).
 
     It runs alongside the CRIU dump, so the freeze lasts max(dump, tar), not the sum.
+    ``max_bytes`` bounds the tar file (its RLIMIT_FSIZE, through util-linux ``prlimit``):
+    the capture space is bounded even if the layer grew after it was measured.
     """
 
-    def __init__(self, upper: Path, dest: Path):
-        self.upper = upper
-        self._proc = subprocess.Popen(
-            ["tar", "--create", "--sparse", f"--file={dest}", f"--directory={upper}", *TAR_OPTS, "."],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def __init__(self, upper: Path, dest: Path, max_bytes: int | None = None):
+        self.upper, self.dest, self.max_bytes = upper, dest, max_bytes
+        argv = ["tar", "--create", "--sparse", f"--file={dest}", f"--directory={upper}", *TAR_OPTS, "."]
+        if max_bytes is not None and shutil.which("prlimit"):
+            argv = ["prlimit", f"--fsize={max_bytes}:{max_bytes}", "--", *argv]
+        self._proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def wait(self) -> None:
         _, err = self._proc.communicate()
+        if self.max_bytes is not None and self._proc.returncode != 0 and _size(self.dest) >= self.max_bytes:
+            raise LayerTooLarge(f"the writable layer is larger than the checkpoint limit of {self.max_bytes} bytes "
+                                "(CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
         if self._proc.returncode == 1:  # GNU tar: "file changed as we read it"
             raise LayerChanged(f"{self.upper} changed while tar read it: {err.decode(errors='replace').strip()[-300:]}")
         if self._proc.returncode != 0:
@@ -61,6 +72,28 @@ class Capture:
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def copy_tree(src: Path, dest: Path) -> None:
+    """Copy a layer tree into ``dest`` (another file system: a sandbox's capped layer), keeping
+    what overlay needs (whiteouts, xattrs, owners, holes)."""
+    pack = subprocess.Popen(["tar", "--create", "--sparse", "--file=-", f"--directory={src}", *TAR_OPTS, "."],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    unpack = subprocess.run(["tar", "--extract", "--file=-", f"--directory={dest}", *TAR_OPTS,
+                             "--same-permissions", "--same-owner"], stdin=pack.stdout, capture_output=True)
+    assert pack.stdout is not None
+    pack.stdout.close()
+    err = pack.stderr.read().decode(errors="replace") if pack.stderr else ""
+    if pack.wait() != 0 or unpack.returncode != 0:
+        raise LayerError(f"copying {src} to {dest} failed: "
+                         f"{(err + unpack.stderr.decode(errors='replace')).strip()[-500:]}")
 
 
 def install(src: Path, upper: Path, meta: dict[str, Any]) -> None:

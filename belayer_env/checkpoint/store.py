@@ -18,13 +18,26 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from belayer.errors import CheckpointFailed, CheckpointNotFound, UsageError
+from belayer.errors import CheckpointFailed, CheckpointNotFound, ConfigError, UsageError
 from belayer.procfs import OwnerId
 from belayer.procfs import owner_alive as _label_owner_alive
 from belayer_env.checkpoint.manifest import Checkpoint, checkpoint_from_manifest, read_manifest
+from belayer_env.config import parse_size
 
 STAGING, TRASH, LOCKS = ".staging", ".trash", ".locks"
 DEFAULT_SCRATCH = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+DEFAULT_MAX_LAYER_BYTES = 2**30
+
+
+def default_max_layer_bytes() -> int:
+    """``$BELAYER_MAX_LAYER_BYTES`` (a size: ``512m``, ``2g``), else 1 GiB."""
+    raw = os.environ.get("BELAYER_MAX_LAYER_BYTES")
+    if not raw:
+        return DEFAULT_MAX_LAYER_BYTES
+    try:
+        return parse_size(raw)
+    except ValueError as e:
+        raise ConfigError(f"BELAYER_MAX_LAYER_BYTES: {e}") from e
 
 
 def default_store_path() -> Path:
@@ -58,19 +71,32 @@ class CheckpointStore:
 
     ``scratch`` is where the frozen part writes (tmpfs by default, so the freeze never
     waits on a disk); the artifacts are copied, hashed and fsynced into ``path`` after thaw.
+    ``max_layer_bytes`` bounds what one capture may put there and on the store's disk: a
+    bigger writable layer fails the checkpoint (``CheckpointFailed`` naming the limit) before
+    the sandbox is frozen. ``create=False`` opens an existing store and creates nothing (a
+    missing one is a ``UsageError``): what read-only commands use.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, keep: int | None = 3,
-                 scratch: str | os.PathLike[str] | None = None):
+                 scratch: str | os.PathLike[str] | None = None, *, create: bool = True,
+                 max_layer_bytes: int | None = None):
         if keep is not None and keep < 1:
             raise UsageError(f"keep must be >= 1 or None, got {keep}")
         self.path = Path(path) if path is not None else default_store_path()
         self.keep = keep
+        self.max_layer_bytes = default_max_layer_bytes() if max_layer_bytes is None else max_layer_bytes
+        if self.max_layer_bytes < 1:
+            raise UsageError(f"max_layer_bytes must be >= 1, got {self.max_layer_bytes}")
+        base = Path(scratch) if scratch is not None else DEFAULT_SCRATCH
+        self.scratch_root = base / "belayer-scratch" if base is not None else self.path / ".scratch"
+        if not create:
+            if not self.path.is_dir():
+                what = "is not a directory" if self.path.exists() else "does not exist"
+                raise UsageError(f"no checkpoint store at {self.path} (it {what})")
+            return
         for sub in ("", STAGING, TRASH, LOCKS):
             (self.path / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
-        base = Path(scratch) if scratch is not None else DEFAULT_SCRATCH
-        self.scratch_root = base / "belayer-scratch" if base is not None else self.path / ".scratch"
         self.scratch_root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ writing
@@ -111,6 +137,8 @@ class CheckpointStore:
     def list(self, sandbox: str | None = None) -> list[Checkpoint]:
         """Published checkpoints, oldest first (by sandbox, step, creation time)."""
         out = []
+        if sandbox is not None and ("/" in sandbox or sandbox.startswith(".") or not sandbox):
+            raise UsageError(f"invalid sandbox name {sandbox!r}")
         dirs = [self.path / sandbox] if sandbox else [d for d in self.path.iterdir() if not d.name.startswith(".")]
         for sdir in dirs:
             if not sdir.is_dir():
@@ -150,6 +178,7 @@ class CheckpointStore:
     def remove(self, checkpoint_id: str) -> None:
         """Remove one checkpoint: renamed out of sight first, so it is never half there."""
         c = self.get(checkpoint_id)
+        (self.path / TRASH).mkdir(mode=0o700, exist_ok=True)
         trash = self.path / TRASH / f"{c.id}~{uuid.uuid4().hex[:8]}"
         os.rename(c.path, trash)
         fsync_dir(c.path.parent)
@@ -169,14 +198,22 @@ class CheckpointStore:
         """Remove staging/scratch left by dead writers and any trash; return what went."""
         removed = []
         for base in (self.path / STAGING, self.scratch_root):
-            for d in base.iterdir():
+            for d in _entries(base):
                 if not owner_alive(d.name):
                     shutil.rmtree(d, ignore_errors=True)
                     removed.append(str(d))
-        for d in (self.path / TRASH).iterdir():
+        for d in _entries(self.path / TRASH):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(str(d))
         return removed
 
     def __repr__(self) -> str:
         return f"CheckpointStore({str(self.path)!r}, keep={self.keep})"
+
+
+def _entries(directory: Path) -> list[Path]:
+    """Entries of ``directory``; none when it does not exist (a store opened with create=False)."""
+    try:
+        return list(directory.iterdir())
+    except FileNotFoundError:
+        return []

@@ -57,3 +57,34 @@ def test_doctor_says_how_to_fix_an_unreachable_daemon(monkeypatch, capsys, tmp_p
     report = json.loads(capsys.readouterr().out)
     engine = next(c for c in report["checks"] if c["name"] == "docker engine")
     assert rc == 1 and not engine["ok"] and "setup.sh" in engine["fix"]
+
+
+def _belayer(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-c", "import sys; from belayer.cli import main; sys.exit(main())", *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_checkpoint_cli_errors_are_one_line_and_create_nothing(tmp_path):
+    p = _belayer("checkpoints", "ls", "--store", "/proc/nonexistent")
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.count("\n") == 1 and "no checkpoint store at /proc/nonexistent" in p.stderr, p.stderr
+
+    typo = tmp_path / "chekpoints"
+    for args in (["ls"], ["rm", "--incomplete"], ["rm", "--sandbox", "sb"], ["rm", "sb.000001.00000000"]):
+        p = _belayer("checkpoints", *args, "--store", str(typo))
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, (args, p.stderr)
+    assert not typo.exists()  # nothing was created by a mistyped store
+
+    home = tmp_path / "home"  # the default store before anything was checkpointed: listed as empty
+    p = _belayer("checkpoints", "ls", env={"BELAYER_HOME": str(home), "BELAYER_CHECKPOINTS": ""})
+    assert p.returncode == 0 and "0 checkpoints" in p.stdout and not home.exists()
+
+    store = tmp_path / "store"
+    store.mkdir()
+    p = _belayer("checkpoints", "rm", "--store", str(store), "--sandbox", "nonexistent")
+    assert p.returncode == 2 and "no checkpoints of sandbox 'nonexistent'" in p.stderr
+    p = _belayer("checkpoints", "ls", "--store", str(store), "--sandbox", "../etc")
+    assert p.returncode == 2 and "invalid sandbox name" in p.stderr
+    assert sorted(x.name for x in store.iterdir()) == []  # read-only commands created nothing

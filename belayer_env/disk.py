@@ -1,0 +1,91 @@
+"""A per-sandbox disk cap: the container's writable layer on a file system of its own size.
+
+Docker's ``--storage-opt size`` needs overlay2 on xfs with project quotas; this engine's
+overlay2 sits on ext4 without them. So, between ``create`` and ``start``, the layer's
+directory (``/var/lib/docker/overlay2/<id>``: upperdir ``diff``, ``work`` and Docker's
+``link``/``lower`` files) is replaced by an ext4 file system in a sparse file of the
+cap's size, loop-mounted over it: upperdir and workdir stay on one mount, as overlayfs
+requires, and a write past the cap fails inside the sandbox with ENOSPC. The sparse file
+is unlinked once mounted, so the host spends only what the sandbox writes, and nothing is
+left behind: Docker's removal of the layer unmounts it, and the loop device detaches itself
+at that unmount (autoclear). CRIU is unaffected (it sees the same overlay root); a restore
+copies the checkpoint's layer into the new file system (``layer.copy_tree``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+from belayer.errors import ConfigError, SandboxLost
+
+TOOL_TIMEOUT_S = 60.0
+MKFS_OPTS = ["-q", "-F", "-t", "ext4", "-m", "0", "-i", "8192", "-O", "^has_journal",
+             "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"]
+"""No journal (the layer dies with its container anyway), no root reserve (the cap is what
+the sandbox gets), one inode per 8 KiB (source trees are many small files)."""
+
+
+def layer_dir(inspect: dict[str, Any]) -> Path:
+    """The directory of the container's own overlay2 layer (parent of its upperdir)."""
+    driver = inspect.get("GraphDriver") or {}
+    upper = (driver.get("Data") or {}).get("UpperDir")
+    if driver.get("Name") != "overlay2" or not upper:
+        raise ConfigError(f"a disk limit needs Docker's overlay2 storage driver, not {driver.get('Name')!r}; "
+                          "pass disk=None to run without one")
+    return Path(upper).parent
+
+
+def unsupported(directory: Path) -> str | None:
+    """Why the cap cannot be applied here, or None."""
+    if os.geteuid() != 0:
+        return "it mounts a file system, which needs root"
+    if not directory.is_dir():
+        return f"the container's layer {directory} is not on this machine (a remote Docker daemon?)"
+    for tool in ("mkfs.ext4", "mount"):
+        if not shutil.which(tool):
+            return f"{tool} is not installed"
+    return None
+
+
+def limit_layer(inspect: dict[str, Any], size_bytes: int) -> None:
+    """Put the (created, not started) container's writable layer on a ``size_bytes`` file system."""
+    directory = layer_dir(inspect)
+    if why := unsupported(directory):
+        raise ConfigError(f"cannot apply the sandbox disk limit: {why}; pass disk=None to run without one")
+    image = directory.parent.parent / "tmp" / f"belayer-disk-{uuid.uuid4().hex[:12]}.img"
+    image.parent.mkdir(mode=0o700, exist_ok=True)  # Docker's own tmp dir: emptied when dockerd starts
+    try:
+        with open(image, "wb") as f:
+            f.truncate(size_bytes)
+        # -d copies Docker's files (empty diff/ and work/, link, lower) into the new file system
+        _run(["mkfs.ext4", *MKFS_OPTS, "-d", str(directory), str(image)], "mkfs.ext4")
+        _run(["mount", "-o", "loop", str(image), str(directory)], "mount")
+        os.chmod(directory, 0o710)
+    finally:
+        image.unlink(missing_ok=True)  # mounted: the loop device holds it; else nothing to keep
+
+
+def usage(inspect: dict[str, Any]) -> int | None:
+    """Bytes in use on the container's capped layer file system; None when it has no cap."""
+    try:
+        directory = layer_dir(inspect)
+    except ConfigError:
+        return None
+    if not os.path.ismount(directory):
+        return None
+    st = os.statvfs(directory)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _run(argv: list[str], what: str) -> None:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise SandboxLost(f"sandbox disk limit: {what} did not finish in {TOOL_TIMEOUT_S:g} s") from e
+    if p.returncode != 0:
+        raise SandboxLost(f"sandbox disk limit: {what} failed ({p.returncode}): {p.stderr.strip()[-300:]}")
