@@ -76,8 +76,9 @@ class OpenAIHandlers:
         want_ids = bool(req.return_token_ids)
         if req.stream:
             return await self._stream(request, gen, text, chat, kind, meta, want_ids, req)
+        chunks = self.continuation.run(gen)
         try:
-            async for chunk in self.continuation.run(gen):
+            async for chunk in chunks:
                 text.push(chunk.ids)
                 if text.stopped:
                     gen.finish = {"type": "stop"}
@@ -86,6 +87,8 @@ class OpenAIHandlers:
             return error_response(400, str(exc))
         except BelayerError as exc:
             return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
+        finally:
+            await chunks.aclose()  # closes the worker stream now: a stop string ends the request there too
         content = text.emitted + text.push([], final=True)
         finish = _FINISH.get((gen.finish or {}).get("type"), "stop")
         choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -100,6 +103,22 @@ class OpenAIHandlers:
         )
 
     async def _stream(self, request, gen, text, chat, kind, meta, want_ids, req) -> web.StreamResponse:
+        # The first chunk is awaited before the stream starts, so that a request the worker
+        # refuses (prompt too long, ids out of range) or no worker can take still gets a
+        # plain HTTP 4xx/503 with a JSON body rather than a 200 with an error event.
+        chunks = self.continuation.run(gen)
+        try:
+            first_chunk = await anext(chunks, None)
+        except UsageError as exc:
+            return error_response(400, str(exc))
+        except BelayerError as exc:
+            return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
+        try:
+            return await self._stream_from(request, first_chunk, chunks, gen, text, chat, kind, meta, want_ids, req)
+        finally:
+            await chunks.aclose()
+
+    async def _stream_from(self, request, first_chunk, chunks, gen, text, chat, kind, meta, want_ids, req) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = kind + ".chunk" if chat else kind
@@ -121,9 +140,15 @@ class OpenAIHandlers:
         if chat:
             first = {**meta, "object": obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]}
             await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+        async def all_chunks():
+            if first_chunk is not None:
+                yield first_chunk
+                async for chunk in chunks:
+                    yield chunk
+
         try:
             pending, finish_ids = "", []
-            async for chunk in self.continuation.run(gen):
+            async for chunk in all_chunks():
                 delta = text.push(chunk.ids)
                 if text.stopped:
                     gen.finish = {"type": "stop"}

@@ -11,6 +11,7 @@ has and suppressed, and counted in ``regenerated``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -93,33 +94,37 @@ class Continuation:
             }
             attempt += 1
             gen.workers.append(f"{endpoint.slot}#{endpoint.instance}")
+            upstream = stream_generate(
+                self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,
+                connect_timeout=cfg.connect_timeout_s, probe_timeout=cfg.stall_probe_timeout_s,
+                max_silence=cfg.max_silence_s,
+            )
             try:
-                async for chunk in stream_generate(
-                    self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,
-                    connect_timeout=cfg.connect_timeout_s, probe_timeout=cfg.stall_probe_timeout_s,
-                    max_silence=cfg.max_silence_s,
-                ):
-                    new = chunk.ids
-                    if skip:
-                        tail = gen.generated[len(gen.generated) - skip :]
-                        overlap = new[: len(tail)]
-                        if overlap != tail[: len(overlap)]:
-                            raise _Diverged()
-                        gen.regenerated += len(overlap)
-                        skip -= len(overlap)
-                        new = new[len(overlap) :]
-                        if chunk.finish and skip:
-                            raise _Diverged()
-                    gen.generated.extend(new)
-                    gen.weight_version = chunk.meta.get("weight_version", gen.weight_version)
-                    if gen.weight_version is not None and gen.weight_version not in gen.weight_versions:
-                        gen.weight_versions.append(gen.weight_version)
-                    if chunk.finish:
-                        gen.finish = chunk.finish
-                    if new or chunk.finish:
-                        yield Chunk(ids=new, text=chunk.text, finish=chunk.finish, meta=chunk.meta)
-                    if chunk.finish:
-                        return
+                # aclosing: when the client goes away (or a stop string ends the request) the
+                # worker stream is closed at once, which aborts the request on the worker.
+                async with contextlib.aclosing(upstream):
+                    async for chunk in upstream:
+                        new = chunk.ids
+                        if skip:
+                            tail = gen.generated[len(gen.generated) - skip :]
+                            overlap = new[: len(tail)]
+                            if overlap != tail[: len(overlap)]:
+                                raise _Diverged()
+                            gen.regenerated += len(overlap)
+                            skip -= len(overlap)
+                            new = new[len(overlap) :]
+                            if chunk.finish and skip:
+                                raise _Diverged()
+                        gen.generated.extend(new)
+                        gen.weight_version = chunk.meta.get("weight_version", gen.weight_version)
+                        if gen.weight_version is not None and gen.weight_version not in gen.weight_versions:
+                            gen.weight_versions.append(gen.weight_version)
+                        if chunk.finish:
+                            gen.finish = chunk.finish
+                        if new or chunk.finish:
+                            yield Chunk(ids=new, text=chunk.text, finish=chunk.finish, meta=chunk.meta)
+                        if chunk.finish:
+                            return
             except _Diverged:
                 log.warning("request %s: regenerated tail diverged; resuming token-level", gen.rid)
                 force_token_level = gen.diverged = True

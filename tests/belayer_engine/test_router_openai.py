@@ -39,12 +39,13 @@ async def _direct_generate(url: str, input_ids: list[int], max_new_tokens: int) 
 def test_models_and_health(engine, client):
     assert [m.id for m in client.models.list().data] == ["belayer-default"]
 
-    async def health():
-        async with aiohttp.ClientSession() as s, s.get(engine.base_url.removesuffix("/v1") + "/health") as r:
+    async def health(headers):
+        async with aiohttp.ClientSession(headers=headers) as s, s.get(engine.base_url.removesuffix("/v1") + "/health") as r:
             return r.status, await r.json()
 
-    status, body = asyncio.run(health())
+    status, body = asyncio.run(health({"Authorization": f"Bearer {KEY}"}))
     assert status == 200 and body["workers"] == 1
+    assert asyncio.run(health({})) == (200, {"status": "ok"})  # without the key: no detail
 
 
 def test_chat_matches_worker_and_counts_usage(engine, client):
