@@ -17,6 +17,7 @@ from aiohttp import web
 
 from belayer_engine.routing import Endpoint, RoutingTable
 
+from .. import worker_auth
 from .codec import Codec, load_codec
 from .config import RouterConfig
 from .openai_api import OpenAIHandlers, error_response
@@ -67,7 +68,8 @@ class Router:
         cfg = self.config
         if self.codec is None:
             self.codec = load_codec(cfg.tokenizer)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              headers=worker_auth.headers(cfg.worker_api_key))
         handlers = OpenAIHandlers(Continuation(self.table, self._session, cfg), self.codec, cfg.model_name, cfg.default_max_tokens)
         app = web.Application(middlewares=[_json_errors, self._auth])
         app.router.add_post("/v1/chat/completions", handlers.chat)

@@ -46,8 +46,11 @@ class RouterConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
-    api_key: str | None = None
+    api_key: str | None = Field(default=None, repr=False)
     api_key_file: str | None = Field(default=None, description="a 0600 file holding the API key")
+    worker_api_key: str | None = Field(default=None, repr=False, description=(
+        "sent as 'Authorization: Bearer' to workers (the engine's per-engine secret; "
+        "SGLang's --api-key for static workers)"))
     model_name: str = "belayer-default"
     recovery: Literal["token", "chunk"] = "token"
     chunk_tokens: int = Field(default=256, ge=1)

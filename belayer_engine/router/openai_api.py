@@ -13,7 +13,7 @@ import uuid
 
 from aiohttp import web
 
-from belayer.errors import BelayerError, UsageError
+from belayer.errors import BelayerError, RequestFailed, UsageError
 
 from .recovery import Continuation, Generation
 from .requests import ChatRequest, CompletionRequest, message_dicts, parse_json, parse_request
@@ -24,6 +24,15 @@ _FINISH = {"stop": "stop", "length": "length"}
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _failure(exc: BelayerError) -> tuple[int, str, str]:
+    """(HTTP status, message, error type) of a request that could not be served."""
+    if isinstance(exc, UsageError):
+        return 400, str(exc), "invalid_request_error"
+    if isinstance(exc, RequestFailed):  # this request alone; the engine is fine
+        return 500, f"{type(exc).__name__}: {exc}", "server_error"
+    return 503, f"{type(exc).__name__}: {exc}", "server_error"  # no healthy worker
 
 
 class OpenAIHandlers:
@@ -83,10 +92,8 @@ class OpenAIHandlers:
                 if text.stopped:
                     gen.finish = {"type": "stop"}
                     break
-        except UsageError as exc:
-            return error_response(400, str(exc))
         except BelayerError as exc:
-            return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
+            return error_response(*_failure(exc))
         finally:
             await chunks.aclose()  # closes the worker stream now: a stop string ends the request there too
         content = text.emitted + text.push([], final=True)
@@ -109,10 +116,9 @@ class OpenAIHandlers:
         chunks = self.continuation.run(gen)
         try:
             first_chunk = await anext(chunks, None)
-        except UsageError as exc:
-            return error_response(400, str(exc))
         except BelayerError as exc:
-            return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
+            await chunks.aclose()
+            return error_response(*_failure(exc))
         try:
             return await self._stream_from(request, first_chunk, chunks, gen, text, chat, kind, meta, want_ids, req)
         finally:
@@ -166,8 +172,8 @@ class OpenAIHandlers:
                 await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
         except BelayerError as exc:
-            code = 400 if isinstance(exc, UsageError) else 503
-            err = {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "code": code}}
+            code, message, kind = _failure(exc)
+            err = {"error": {"message": message, "type": kind, "code": code}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
         except ConnectionResetError:
             pass  # the client went away; Continuation's finally blocks close the upstream
