@@ -68,7 +68,7 @@ def worker_url(engine) -> str:
 
 
 def worker_load(engine) -> dict:
-    status, info, _ = call(worker_url(engine), "GET", "/get_server_info")
+    status, info, _ = call(worker_url(engine), "GET", "/get_server_info", headers=engine.worker_headers())
     assert status == 200, info
     return info
 
@@ -182,7 +182,8 @@ def test_degenerate_sampling_is_served_or_refused_and_the_engine_stays_healthy(e
     # The worker refuses the same values itself (clients may talk SGLang to it directly).
     for params, field in [({"temperature": 0.5, "seed": 2**64}, "seed"), ({"max_new_tokens": True}, "max_new_tokens"),
                           ({"frequency_penalty": 1.0}, "frequency_penalty")]:
-        status, out, _ = call(worker_url(engine), "POST", "/generate", {"input_ids": [1, 2], "sampling_params": params})
+        status, out, _ = call(worker_url(engine), "POST", "/generate", {"input_ids": [1, 2], "sampling_params": params},
+                              headers=engine.worker_headers())
         assert status == 400 and field in out["error"]["message"], out
     assert_healthy(engine, since)
 
