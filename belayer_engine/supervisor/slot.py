@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from belayer.errors import BelayerError, WorkerLost
-from belayer_engine import worker_auth
+from belayer_engine import owner, worker_auth
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.base import SlotSpec, WorkerBackend, WorkerSpec
 from belayer_engine.routing import Endpoint
@@ -70,7 +70,7 @@ class SlotProcesses:
         self.run_dir = run_dir
         self.session = session
         self._seq = itertools.count(1)
-        self._env = _child_env()
+        self._env = {**_child_env(), **owner.env_for_children()}  # children watch this process
         self._env.pop(worker_auth.ENV, None)
         # Workers and shadows get the secret in their environment (never argv); the arena does not.
         self._worker_env = {**self._env, worker_auth.ENV: worker_secret} if worker_secret else self._env

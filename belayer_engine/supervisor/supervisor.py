@@ -30,7 +30,7 @@ from belayer.errors import DeviceUnhealthy, WorkerLost
 from belayer_engine import worker_auth
 from belayer_engine.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
-from belayer_engine.supervisor.processes import Proc, fence
+from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,13 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self._tasks, *arming, return_exceptions=True)
         for slot in self.slots:
-            for proc in (slot.worker, slot.shadow, slot.arena):
+            for proc in (slot.worker, slot.shadow):
                 if proc is not None:
                     with contextlib.suppress(WorkerLost):
                         await fence(proc, self.config.fence_timeout_s)
+            if slot.arena is not None:  # a clean stop: the arena removes its /dev/shm files
+                with contextlib.suppress(WorkerLost):
+                    await stop_gracefully(slot.arena, self.config.fence_timeout_s)
         if self._session:
             await self._session.close()
         if self._tmp:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -19,7 +20,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from belayer.errors import ArenaLost, BelayerError, UsageError
-from belayer_engine import cli_args, worker_auth
+from belayer_engine import cli_args, owner, worker_auth
 from belayer_engine.backends.reference.sampling import SamplingParams
 from belayer_engine.backends.reference.scheduler import Request
 from belayer_engine.backends.reference.state import WorkerState
@@ -273,6 +274,7 @@ add_arguments = cli_args.worker
 def run(args: argparse.Namespace) -> int:
     fields = {k: v for k, v in vars(args).items() if k in WorkerConfig.model_fields and v is not None}
     cfg = WorkerConfig(**fields)
+    owner.watch_owner(lambda: os._exit(1), death_signal=signal.SIGKILL)  # never outlive the engine
     secret = worker_auth.take_from_env()
     if secret is None:
         print(f"warning: {worker_auth.ENV} not set: every local user can use this worker", file=sys.stderr)
