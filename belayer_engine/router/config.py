@@ -46,11 +46,15 @@ class RouterConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
-    api_key: str | None = Field(default=None, repr=False)
+    api_key: str | None = Field(default=None, repr=False, description=(
+        "clients must send it as a Bearer token; on the command line it shows in ps: prefer "
+        "api_key_file or the BELAYER_API_KEY environment variable"))
     api_key_file: str | None = Field(default=None, description="a 0600 file holding the API key")
     worker_api_key: str | None = Field(default=None, repr=False, description=(
         "sent as 'Authorization: Bearer' to workers (the engine's per-engine secret; "
         "SGLang's --api-key for static workers)"))
+    worker_api_key_file: str | None = Field(default=None, description=(
+        "a 0600 file holding worker_api_key (e.g. for SGLang servers started with --api-key)"))
     model_name: str = "belayer-default"
     recovery: Literal["token", "chunk"] = "token"
     chunk_tokens: int = Field(default=256, ge=1)
@@ -72,4 +76,6 @@ class RouterConfig(BaseModel):
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("api_key is empty")
+        if self.worker_api_key is None and self.worker_api_key_file is not None:
+            self.worker_api_key = read_key_file(self.worker_api_key_file)
         return self

@@ -236,3 +236,27 @@ def test_the_engine_still_serves_the_same_tokens(engine):
     assert status == status2 == 200 and a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
     assert a["belayer"]["recoveries"] == 0
     assert_healthy(engine, since)
+
+
+def test_degenerate_requests_beside_other_traffic_leave_it_untouched(engine):
+    """Issue 12, item 1, with other traffic in flight: the long request finishes token-identical."""
+    import threading
+
+    since = len(engine.events())
+    long = {"messages": MESSAGES, "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    status, solo = chat(engine, **long)
+    assert status == 200, solo
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(out=chat(engine, **long)))
+    t.start()
+    poll(lambda: worker_load(engine)["running"] >= 1, 60, "the long request to run")
+    bad = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    for extra, code in [({"temperature": 1e-300}, 200), ({"temperature": 0.9, "seed": 2**64}, 400),
+                        ({"temperature": 1e-300, "seed": 2**64}, 400), ({"temperature": 0.9, "seed": 2**63 - 1}, 200)]:
+        status, out, _ = call(router(engine), "POST", "/v1/chat/completions", {**bad, **extra}, headers=AUTH)
+        assert status == code, (extra, out)
+    t.join(timeout=300)
+    status, out = box["out"]
+    assert status == 200 and out["choices"][0]["token_ids"] == solo["choices"][0]["token_ids"]
+    assert out["belayer"]["recoveries"] == 0
+    assert_healthy(engine, since)
