@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -23,14 +24,24 @@ import pytest
 from belayer_engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 
-from .test_router_hardening import AUTH, assert_healthy, call, chat, router, worker_url
+from .conftest import poll
+from .test_router_hardening import (
+    AUTH,
+    _send_and_leave,
+    assert_healthy,
+    call,
+    chat,
+    router,
+    worker_load,
+    worker_url,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = RouterConfig(api_key=AUTH["Authorization"][7:], stall_timeout_s=1.0, stall_probe_timeout_s=1.0)
+    cfg = RouterConfig(api_key=AUTH["Authorization"][7:], stall_timeout_s=1.0, stall_probe_timeout_s=1.0, max_silence_s=4.0)
     with RecoverableEngine.launch(workers=1, shadow=True, router=cfg) as eng:
         eng.wait_ready(timeout=180)
         yield eng
@@ -126,3 +137,48 @@ def test_another_local_user_cannot_use_or_abort_a_worker(engine):
     assert status == 200 and out["belayer"]["recoveries"] == 0
     assert_healthy(engine, since)
     assert call(router(engine), "GET", "/health")[0] == 200
+
+
+def _chat_in_thread(engine, body: dict) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(out=call(router(engine), "POST", "/v1/chat/completions", body, headers=AUTH)))
+    t.start()
+    return t, box
+
+
+def test_aborts_on_a_healthy_worker_end_those_requests_only(engine):
+    """Issue 12, item 2, as the engine itself: two abort_all 1.5 s apart end the running
+    requests with a clear error; the worker is healthy, so no handover, no exclusion."""
+    since = len(engine.events())
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    first, box1 = _chat_in_thread(engine, body)
+    poll(lambda: worker_load(engine)["running"] == 1, 60, "the request to run")
+    status, out, _ = call(worker_url(engine), "POST", "/abort_request", {"abort_all": True}, headers=engine.worker_headers())
+    assert status == 200, out
+    first.join(timeout=60)
+    second, box2 = _chat_in_thread(engine, body)
+    poll(lambda: worker_load(engine)["running"] == 1, 60, "the second request to run")
+    call(worker_url(engine), "POST", "/abort_request", {"abort_all": True}, headers=engine.worker_headers())
+    second.join(timeout=60)
+    for box in (box1, box2):
+        status, out, _ = box["out"]
+        assert status == 500 and "RequestFailed" in out["error"]["message"], out
+    assert_healthy(engine, since)
+    assert chat(engine)[0] == 200
+
+
+def test_a_silent_request_on_a_healthy_worker_is_ended_alone(engine):
+    """A request queued behind full KV gets no token for max_silence_s (4 s here): it is
+    ended with a clear error, and the healthy worker is not fenced as stalled."""
+    since = len(engine.events())
+    long = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    socks = [_send_and_leave(router(engine), long) for _ in range(2)]  # 192 of 256 blocks
+    try:
+        poll(lambda: worker_load(engine)["running"] == 2, 60, "2 long requests to run")
+        status, out = chat(engine, max_tokens=1500, ignore_eos=True)  # cannot be admitted: waits, silent
+        assert status == 500 and "while the worker stays healthy" in out["error"]["message"], out
+    finally:
+        for s in socks:
+            s.close()
+    assert_healthy(engine, since)
