@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from belayer.errors import RequestFailed
 from belayer_engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = RouterConfig(api_key=AUTH["Authorization"][7:], stall_timeout_s=1.0, stall_probe_timeout_s=1.0, max_silence_s=4.0)
+    cfg = RouterConfig(api_key=AUTH["Authorization"][7:], stall_timeout_s=1.0, stall_probe_timeout_s=1.0)
     with RecoverableEngine.launch(workers=1, shadow=True, router=cfg) as eng:
         eng.wait_ready(timeout=180)
         yield eng
@@ -168,16 +169,34 @@ def test_aborts_on_a_healthy_worker_end_those_requests_only(engine):
 
 
 def test_a_silent_request_on_a_healthy_worker_is_ended_alone(engine):
-    """A request queued behind full KV gets no token for max_silence_s (4 s here): it is
-    ended with a clear error, and the healthy worker is not fenced as stalled."""
+    """A request queued behind full KV gets no token for ``max_silence_s`` (3 s, in a second
+    router in front of the same worker): it is ended with a clear error, and the healthy
+    worker is neither reported nor fenced as stalled."""
+    from belayer_engine.client import EngineClient
+    from belayer_engine.router import Router
+
     since = len(engine.events())
     long = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True, "stream": True}
     socks = [_send_and_leave(router(engine), long) for _ in range(2)]  # 192 of 256 blocks
+
+    async def queued_request():
+        secret = engine.worker_headers()["Authorization"][7:]
+        r = Router(RouterConfig(stall_timeout_s=0.5, stall_probe_timeout_s=5.0, max_silence_s=3.0, worker_api_key=secret))
+        r.add_static_workers([worker_url(engine)])
+        base = await r.start()
+        try:
+            await r.table.acquire(60)
+            async with EngineClient(base + "/v1") as c:
+                with pytest.raises(RequestFailed, match="while the worker stays healthy"):
+                    await c.chat([{"role": "user", "content": "x"}], max_tokens=1500, ignore_eos=True)
+            return [e for e in r.table.endpoints() if not e.lost]
+        finally:
+            await r.stop()
+
     try:
         poll(lambda: worker_load(engine)["running"] == 2, 60, "2 long requests to run")
-        status, out = chat(engine, max_tokens=1500, ignore_eos=True)  # cannot be admitted: waits, silent
-        assert status == 500 and "while the worker stays healthy" in out["error"]["message"], out
+        assert len(asyncio.run(queued_request())) == 1  # the worker was never reported
     finally:
         for s in socks:
             s.close()
