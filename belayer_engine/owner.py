@@ -1,8 +1,8 @@
 """Children that never outlive their engine: owner identity, death signal, watchdog.
 
-The engine passes its identity (``pid:start_time`` from ``/proc``, so a recycled pid is
-never mistaken for it) to the arena, workers and shadows in ``BELAYER_OWNER``. Each child
-calls ``watch_owner`` at start: the kernel sends it a signal when its parent dies
+The engine passes its identity (``belayer.procfs.OwnerId``: pid and start time, so a
+recycled pid is never mistaken for it) to the arena, workers and shadows in
+``BELAYER_OWNER``. Each child calls ``watch_owner`` at start: the kernel sends it a signal when its parent dies
 (``PR_SET_PDEATHSIG``, covers SIGKILL of the engine), and a small thread checks the
 owner's identity every second (covers what the death signal misses: an owner that died
 before the child set it up, or a child started by another thread). ``belayer gc`` uses
@@ -19,35 +19,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from belayer.procfs import OwnerId, owner_alive
+
 ENV = "BELAYER_OWNER"
 _PR_SET_PDEATHSIG = 1
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def identity(pid: int | None = None) -> str:
-    pid = os.getpid() if pid is None else pid
-    return f"{pid}:{start_time(pid)}"
-
-
 def alive(owner: str) -> bool:
-    """True while the process named by ``identity()`` output still runs (same pid, same start)."""
-    try:
-        pid, started = owner.split(":")
-        return str(start_time(int(pid))) == started
-    except ValueError:
-        return False
+    """True while the process named by ``OwnerId.to_label()`` text still runs."""
+    return owner_alive(owner)
 
 
 def env_for_children() -> dict[str, str]:
-    return {ENV: identity()}
+    return {ENV: OwnerId.current().to_label()}
 
 
 def watch_owner(on_death: Callable[[], None], death_signal: int = signal.SIGTERM, interval_s: float = 1.0) -> str | None:
