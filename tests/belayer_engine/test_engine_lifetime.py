@@ -30,6 +30,7 @@ with RecoverableEngine.launch(workers=1, shadow=True) as eng:
     eng.wait_ready(timeout=180)
     s = eng.status()["slots"]["w0"]
     print(json.dumps({"arena": s["arena_pid"], "worker": s["worker_pid"], "shadow": s["shadow_pid"]}), flush=True)
+    sys.stdin.readline()  # the test has looked at the children
     if sys.argv[1] == "raise":
         raise RuntimeError("the owner's code failed")
     time.sleep(3600)
@@ -50,7 +51,7 @@ def alive(pid: int) -> bool:
 
 def start_engine_process(mode: str) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, mode], cwd=REPO, env=env,
+    p = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, mode], cwd=REPO, env=env, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = p.stdout.readline()
     assert line, f"engine script ended early (exit {p.wait()})"
@@ -72,7 +73,10 @@ def test_children_end_with_their_engine(how):
     try:
         files = shm_files(pids["arena"])
         assert files and all(alive(pid) for pid in pids.values())
-        if how != "raise":
+        if how == "raise":
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        else:
             os.kill(p.pid, getattr(signal, how))
         p.wait(timeout=60)
         for role, pid in pids.items():
