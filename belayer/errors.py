@@ -77,6 +77,15 @@ class DeviceUnhealthy(InfraError):
     """A device failed again right after handover and was excluded from service."""
 
 
+# --------------------------------------------------------------------------- one request
+
+
+class RequestFailed(BelayerError):
+    """One request failed while its worker stayed healthy (an error inside that request,
+    or a request that took down a replacement worker too): that request ends with this
+    error; it is not replayed, and no worker or device is blamed for it."""
+
+
 __all__ = [
     "ArenaLost",
     "BelayerError",
@@ -87,6 +96,7 @@ __all__ = [
     "DeviceUnhealthy",
     "InfraError",
     "InvalidAction",
+    "RequestFailed",
     "RestoreFailed",
     "SandboxLost",
     "UsageError",

@@ -37,3 +37,5 @@ def worker(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=1024,
                    help="prompt tokens admitted per scheduler step")
     p.add_argument("--tokenizer-dir", default=None, help="dir with tokenizer.json")
+    p.add_argument("--hang-timeout-s", type=float, default=None,
+                   help="/health fails once one scheduler step takes longer (default 60)")

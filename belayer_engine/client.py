@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from belayer.errors import UsageError, WorkerLost
+from belayer.errors import RequestFailed, UsageError, WorkerLost
 from belayer_engine.sse import sse_json
 
 
@@ -76,9 +76,17 @@ class EngineClient:
                 yield chunk
 
 
+def _error_type(status: int) -> type[Exception]:
+    """4xx: the request was bad; 500: it failed alone (the engine is fine); else no worker."""
+    if 400 <= status < 500:
+        return UsageError
+    return RequestFailed if status == 500 else WorkerLost
+
+
 def _raise_for(status: int, data: dict) -> None:
     if isinstance(data, dict) and "error" in data:
         message = data["error"].get("message", str(data["error"]))
-        raise (UsageError if 400 <= status < 500 else WorkerLost)(message)
+        code = data["error"].get("code") if status == 200 else status  # an SSE error event carries its code
+        raise _error_type(code if isinstance(code, int) else 503)(message)
     if status >= 400:
-        raise (UsageError if status < 500 else WorkerLost)(f"HTTP {status}: {data}")
+        raise _error_type(status)(f"HTTP {status}: {data}")

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 
 from belayer.errors import UsageError
+from belayer_engine import worker_auth
 from belayer_engine.router import Router, RouterConfig
 from belayer_engine.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor
@@ -25,6 +26,9 @@ class RecoverableEngine:
     def __init__(self, supervisor: SupervisorConfig | None = None, router: RouterConfig | None = None) -> None:
         self.supervisor_config = supervisor or SupervisorConfig()
         self.router_config = router or RouterConfig()
+        # One random secret per engine: its workers answer only the router and the supervisor.
+        self._worker_secret = worker_auth.new_secret()
+        self.router_config = self.router_config.model_copy(update={"worker_api_key": self._worker_secret})
         if self.router_config.tokenizer is None and self.supervisor_config.model:
             self.router_config = self.router_config.model_copy(update={"tokenizer": self.supervisor_config.model})
         self.base_url: str = ""
@@ -71,7 +75,7 @@ class RecoverableEngine:
         # The one place the engine is wired: supervisor and router share a routing table;
         # the router reports failures into it and shows the supervisor's view.
         table = RoutingTable()
-        self.supervisor = Supervisor(self.supervisor_config, table)
+        self.supervisor = Supervisor(self.supervisor_config, table, self._worker_secret)
         self.router = Router(self.router_config, table=table, status=self.supervisor.status)
         url = await self.router.start()
         self.base_url = url + "/v1"
@@ -119,6 +123,10 @@ class RecoverableEngine:
         if not 0 <= slot < len(self.supervisor.slots):
             raise UsageError(f"no slot {slot}: this engine has {len(self.supervisor.slots)}")
         return str(self.supervisor.slots[slot].socket)
+
+    def worker_headers(self) -> dict[str, str]:
+        """The header that lets this process talk to the engine's workers directly (tests, tools)."""
+        return worker_auth.headers(self._worker_secret)
 
     def worker_pid(self, slot: int = 0) -> int | None:
         return self.status()["slots"][f"w{slot}"]["worker_pid"]

@@ -35,6 +35,10 @@ class Endpoint:
     lost: bool = False
     inflight: int = 0
     streams: set[asyncio.Queue] = field(default_factory=set)
+    # Requests re-sent here after a worker failure that have not produced a token yet: if
+    # this endpoint fails now, the failure may be theirs (a request that kills workers),
+    # not the device's, so the supervisor does not exclude the slot for it.
+    replaying: int = 0
 
     def __repr__(self) -> str:
         return f"Endpoint({self.slot}#{self.instance} {self.url} pid={self.pid})"

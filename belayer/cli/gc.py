@@ -1,17 +1,24 @@
-"""``belayer gc``: reap sandbox containers and arena shared-memory files orphaned by a crashed process."""
+"""``belayer gc``: reap sandbox containers, engine processes and arena shared-memory files
+orphaned by a crashed process."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 DOCKER_TIMEOUT_S = 20.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gc", help="remove sandbox containers and arena shm files whose owning process is gone",
-                       description="Remove Belayer sandbox containers whose owner process no longer runs, and the "
-                                   "/dev/shm files (weights, KV) of arenas that were killed.")
+    p = sub.add_parser("gc", help="remove sandbox containers, engine processes and arena shm files whose owner is gone",
+                       description="Remove Belayer sandbox containers whose owner process no longer runs, end engine "
+                                   "processes (arenas, workers, shadows) whose engine is gone (owner pid + start "
+                                   "time), and remove the /dev/shm files (weights, KV) of arenas that were killed.")
     p.add_argument("--all", action="store_true", help="remove every Belayer container, owned or not "
                                                       "(arena files of running arenas are always kept)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
@@ -21,11 +28,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _end_processes(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """SIGKILL each orphan's process group (each was started in its own session); the
+    pids that are gone within ``timeout``."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if not Path(f"/proc/{p}").exists()]
+
+
 def run(args: argparse.Namespace) -> int:
     from belayer_engine.arena.shm_files import orphaned, reap_orphans
+    from belayer_engine.owner import orphans
     from belayer_env.docker_api import connect
     from belayer_env.gc import GcReport, list_managed, remove_all
 
+    engine_procs = orphans()
+    ended = [] if args.dry_run else _end_processes([pid for pid, _ in engine_procs])
     arena_files = [str(p) for p in orphaned()] if args.dry_run else reap_orphans()
     client = connect(timeout=DOCKER_TIMEOUT_S)  # every Docker call bounded: a wedged container cannot hang gc
     managed = list_managed(client)
@@ -39,10 +64,14 @@ def run(args: argparse.Namespace) -> int:
             "targets": [c.name for c in targets],
             "removed": [c.name for c in targets if c.id in removed],
             "failed": {c.name: failed[c.id] for c in targets if c.id in failed},
+            "engine_processes": [{"pid": pid, "owner": own, "ended": pid in ended} for pid, own in engine_procs],
             "arena_files": arena_files,
             "dry_run": args.dry_run,
         }, indent=2))
     else:
+        for pid, own in engine_procs:
+            verb = "would end" if args.dry_run else ("ended" if pid in ended else "still alive")
+            print(f"{verb:>12}  engine process {pid}  (owner {own} gone)")
         for path in arena_files:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (arena process gone)")
         for c in targets:

@@ -30,8 +30,10 @@ TARGET_ROWS = {
 def _router_flags(exclude: tuple[str, ...] = ()) -> ConfigFlags:
     from belayer_engine.router import RouterConfig
 
-    # a server's usual port; the config's own default (0: any free port) suits embedding
-    return ConfigFlags(RouterConfig, exclude=exclude, defaults={"port": 8000}, title="router (RouterConfig)")
+    # a server's usual port; the config's own default (0: any free port) suits embedding.
+    # No flag takes the workers' key itself (argv is visible in ps): --worker-api-key-file.
+    return ConfigFlags(RouterConfig, exclude=("worker_api_key", *exclude), defaults={"port": 8000},
+                       title="router (RouterConfig)")
 
 
 @functools.cache

@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from belayer.errors import BelayerError, UsageError, WorkerLost
-from belayer_engine import cli_args
+from belayer_engine import cli_args, owner
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
 from belayer_engine.model.config import ModelConfig
@@ -233,15 +233,17 @@ class ArenaServer:
                 elif op == "update_weights":
                     reply = {"version": self.update_weights(self._read_update(msg, rfile))}
                 elif op == "shutdown":
-                    threading.Thread(target=self.stop, daemon=True).start()
-                    reply = {"status": "stopping"}
+                    reply = {"status": "stopping"}  # sent first; the stop starts after the send below
                 else:
                     raise UsageError(f"unknown op {op!r}")
             except BelayerError as exc:
                 reply = proto.error_reply(exc)
             except (KeyError, TypeError, ValueError, RuntimeError) as exc:
                 reply = proto.error_reply(UsageError(f"{op}: {type(exc).__name__}: {exc}"))
-            proto.send(sock, reply)
+            proto.send(sock, reply)  # every control op is answered before the arena acts on it
+            if op == "shutdown":
+                threading.Thread(target=self.stop, daemon=True).start()
+                return
             if op == "update_weights" and "error" in reply:
                 return  # the payload may be half read: end this connection
 
@@ -337,8 +339,17 @@ def run(args: argparse.Namespace) -> int:
                       block_size=args.block_size, scratch_blocks=args.scratch_blocks,
                       ack_timeout_s=args.ack_timeout_s, lease_wait_s=args.lease_wait_s)
     torch.set_num_threads(1)
+    server: ArenaServer | None = None
+
+    def die(*_) -> None:
+        """SIGTERM (a clean engine stop) or the owner's death: remove the shm files, exit."""
+        if server is not None:
+            server.cleanup()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, die)
+    owner.watch_owner(die)  # an arena never outlives its engine, however the engine ends
     server = ArenaServer(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop).start())
     try:
         server.serve_forever()
     except KeyboardInterrupt:

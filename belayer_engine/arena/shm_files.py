@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+# BELAYER_SHM_DIR: another directory (tests use a private one, out of reach of the reapers
+# of every other arena on the machine).
+SHM_DIR = Path(os.environ.get("BELAYER_SHM_DIR") or ("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"))
 SHM_PREFIX = "belayer-arena-"
 
 

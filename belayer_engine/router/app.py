@@ -17,12 +17,30 @@ from aiohttp import web
 
 from belayer_engine.routing import Endpoint, RoutingTable
 
+from .. import worker_auth
 from .codec import Codec, load_codec
 from .config import RouterConfig
 from .openai_api import OpenAIHandlers, error_response
 from .recovery import Continuation
 
 log = logging.getLogger(__name__)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """Every error is a JSON body: aiohttp's own (404, 405, 413) and any bug (500)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error_response(exc.status, exc.reason if not exc.text or exc.text.startswith(f"{exc.status}:") else exc.text, kind)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        log.exception("router: unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
 class Router:
@@ -50,9 +68,10 @@ class Router:
         cfg = self.config
         if self.codec is None:
             self.codec = load_codec(cfg.tokenizer)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              headers=worker_auth.headers(cfg.worker_api_key))
         handlers = OpenAIHandlers(Continuation(self.table, self._session, cfg), self.codec, cfg.model_name, cfg.default_max_tokens)
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[_json_errors, self._auth])
         app.router.add_post("/v1/chat/completions", handlers.chat)
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_get("/v1/models", handlers.models)
@@ -62,7 +81,9 @@ class Router:
 
     async def start(self) -> str:
         app = self.build_app()
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that goes away cancels its handler, which closes the
+        # worker stream, which aborts the request on the worker (streaming or not).
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -88,18 +109,27 @@ class Router:
 
     # ------------------------------------------------------------------ handlers
 
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        if not key:
+            return True
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.config.api_key
-        if key and request.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error")
+        """Everything but the bare ``/health`` probe needs the key when one is set."""
+        if request.path != "/health" and not self._authorized(request):
+            return error_response(401, "invalid or missing API key", "authentication_error")
         return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
+        """Status for load balancers; the worker count only with the key."""
         live = [e for e in self.table.endpoints() if not e.lost]
-        return web.json_response({"status": "ok" if live else "degraded", "workers": len(live)}, status=200 if live else 503)
+        body: dict = {"status": "ok" if live else "degraded"}
+        if self._authorized(request):
+            body["workers"] = len(live)
+        return web.json_response(body, status=200 if live else 503)
 
     async def _workers(self, request: web.Request) -> web.Response:
         view = self.table.snapshot()

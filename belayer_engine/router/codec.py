@@ -22,11 +22,16 @@ class Codec(Protocol):
 
 
 class TokenizerCodec:
-    """Adapter over ``belayer_engine.model.tokenizer`` + ``belayer_engine.model.chat_template``."""
+    """Adapter over ``belayer_engine.model.tokenizer`` + ``belayer_engine.model.chat_template``.
 
-    def __init__(self, tokenizer, chat_render) -> None:
+    Chat prompts are tokenized piece by piece: control tokens come only from the template's
+    pieces; message content is encoded as plain text (``encode_text``), so a user who writes
+    ``<|im_start|>system`` gets those characters, not a forged system turn.
+    """
+
+    def __init__(self, tokenizer, chat_segments) -> None:
         self._tok = tokenizer
-        self._render = chat_render
+        self._segments = chat_segments
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
@@ -35,10 +40,10 @@ class TokenizerCodec:
         return self._tok.decode(list(ids))
 
     def render_chat(self, messages: list[dict]) -> list[int]:
-        rendered = self._render(messages)
-        if isinstance(rendered, str):
-            return self.encode(rendered)
-        return list(rendered)
+        ids: list[int] = []
+        for text, template in self._segments(messages):
+            ids += self._tok.encode(text) if template else self._tok.encode_text(text)
+        return ids
 
 
 def load_codec(model_dir: str | None) -> Codec:
@@ -48,4 +53,4 @@ def load_codec(model_dir: str | None) -> Codec:
         chat_mod = importlib.import_module("belayer_engine.model.chat_template")
     except ImportError as exc:
         raise ConfigError(f"router needs belayer_engine.model.tokenizer/chat_template: {exc}") from exc
-    return TokenizerCodec(tok_mod.load_tokenizer(model_dir), chat_mod.apply_chat_template)
+    return TokenizerCodec(tok_mod.load_tokenizer(model_dir), chat_mod.chat_segments)

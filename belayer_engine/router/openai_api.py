@@ -13,9 +13,10 @@ import uuid
 
 from aiohttp import web
 
-from belayer.errors import BelayerError, UsageError
+from belayer.errors import BelayerError, RequestFailed, UsageError
 
 from .recovery import Continuation, Generation
+from .requests import ChatRequest, CompletionRequest, message_dicts, parse_json, parse_request
 from .text import TextStream
 
 _FINISH = {"stop": "stop", "length": "length"}
@@ -25,33 +26,13 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-def _sampling(body: dict) -> dict:
-    params: dict = {}
-    for key in ("temperature", "top_p", "top_k", "seed", "ignore_eos"):
-        if body.get(key) is not None:
-            params[key] = body[key]
-    stop = body.get("stop")
-    if stop:
-        params["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if body.get("stop_token_ids"):
-        params["stop_token_ids"] = list(body["stop_token_ids"])
-    return params
-
-
-def _max_tokens(body: dict, default: int) -> int:
-    value = body.get("max_completion_tokens") or body.get("max_tokens") or default
-    if not isinstance(value, int) or value < 1:
-        raise UsageError(f"max_tokens must be a positive integer, got {value!r}")
-    return value
-
-
-def _message_text(message: dict) -> dict:
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if not isinstance(message.get("role"), str):
-        raise UsageError("each message needs a string 'role'")
-    return {"role": message["role"], "content": content or ""}
+def _failure(exc: BelayerError) -> tuple[int, str, str]:
+    """(HTTP status, message, error type) of a request that could not be served."""
+    if isinstance(exc, UsageError):
+        return 400, str(exc), "invalid_request_error"
+    if isinstance(exc, RequestFailed):  # this request alone; the engine is fine
+        return 500, f"{type(exc).__name__}: {exc}", "server_error"
+    return 503, f"{type(exc).__name__}: {exc}", "server_error"  # no healthy worker
 
 
 class OpenAIHandlers:
@@ -76,54 +57,45 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------------ common path
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise UsageError("'messages' must be a non-empty list")
-            return self.codec.render_chat([_message_text(m) for m in messages])
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+    def _prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
+        if isinstance(req, ChatRequest):
+            return self.codec.render_chat(message_dicts(req))
+        prompt = req.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.codec.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise UsageError("'prompt' must be a string or a list of token ids (one prompt per request)")
+        ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise UsageError("prompt: the prompt is empty")
+        return ids
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise UsageError("request body must be a JSON object")
-            if (body.get("n") or 1) != 1:
-                raise UsageError("only n=1 is supported")
-            if body.get("logprobs") or body.get("top_logprobs"):
-                raise UsageError("logprobs are not supported by this router")
+            req = parse_request(parse_json(await request.read()), chat)
             gen = Generation(
-                prompt_ids=self._prompt_ids(body, chat),
-                max_new_tokens=_max_tokens(body, self.default_max_tokens),
-                sampling=_sampling(body),
+                prompt_ids=self._prompt_ids(req),
+                max_new_tokens=req.budget(self.default_max_tokens),
+                sampling=req.sampling(),
             )
-        except (UsageError, ValueError) as exc:
+        except UsageError as exc:
             return error_response(400, str(exc))
         text = TextStream(self.codec, gen.sampling.get("stop"))
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        meta = {"id": rid, "created": int(time.time()), "model": body.get("model") or self.model_name}
-        want_ids = bool(body.get("return_token_ids"))
-        if body.get("stream"):
-            return await self._stream(request, gen, text, chat, kind, meta, want_ids, body)
+        meta = {"id": rid, "created": int(time.time()), "model": req.model or self.model_name}
+        want_ids = bool(req.return_token_ids)
+        if req.stream:
+            return await self._stream(request, gen, text, chat, kind, meta, want_ids, req)
+        chunks = self.continuation.run(gen)
         try:
-            async for chunk in self.continuation.run(gen):
+            async for chunk in chunks:
                 text.push(chunk.ids)
                 if text.stopped:
                     gen.finish = {"type": "stop"}
                     break
-        except UsageError as exc:
-            return error_response(400, str(exc))
         except BelayerError as exc:
-            return error_response(503, f"{type(exc).__name__}: {exc}", "server_error")
+            return error_response(*_failure(exc))
+        finally:
+            await chunks.aclose()  # closes the worker stream now: a stop string ends the request there too
         content = text.emitted + text.push([], final=True)
         finish = _FINISH.get((gen.finish or {}).get("type"), "stop")
         choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -137,11 +109,26 @@ class OpenAIHandlers:
             {**meta, "object": kind, "choices": [choice], "usage": _usage(gen), "belayer": gen.summary()}
         )
 
-    async def _stream(self, request, gen, text, chat, kind, meta, want_ids, body) -> web.StreamResponse:
+    async def _stream(self, request, gen, text, chat, kind, meta, want_ids, req) -> web.StreamResponse:
+        # The first chunk is awaited before the stream starts, so that a request the worker
+        # refuses (prompt too long, ids out of range) or no worker can take still gets a
+        # plain HTTP 4xx/503 with a JSON body rather than a 200 with an error event.
+        chunks = self.continuation.run(gen)
+        try:
+            first_chunk = await anext(chunks, None)
+        except BelayerError as exc:
+            await chunks.aclose()
+            return error_response(*_failure(exc))
+        try:
+            return await self._stream_from(request, first_chunk, chunks, gen, text, chat, kind, meta, want_ids, req)
+        finally:
+            await chunks.aclose()
+
+    async def _stream_from(self, request, first_chunk, chunks, gen, text, chat, kind, meta, want_ids, req) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = kind + ".chunk" if chat else kind
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def send(delta_text: str, ids: list[int], finish: str | None) -> None:
             choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -159,9 +146,15 @@ class OpenAIHandlers:
         if chat:
             first = {**meta, "object": obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]}
             await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+        async def all_chunks():
+            if first_chunk is not None:
+                yield first_chunk
+                async for chunk in chunks:
+                    yield chunk
+
         try:
             pending, finish_ids = "", []
-            async for chunk in self.continuation.run(gen):
+            async for chunk in all_chunks():
                 delta = text.push(chunk.ids)
                 if text.stopped:
                     gen.finish = {"type": "stop"}
@@ -179,8 +172,8 @@ class OpenAIHandlers:
                 await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
         except BelayerError as exc:
-            code = 400 if isinstance(exc, UsageError) else 503
-            err = {"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "code": code}}
+            code, message, kind = _failure(exc)
+            err = {"error": {"message": message, "type": kind, "code": code}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
         except ConnectionResetError:
             pass  # the client went away; Continuation's finally blocks close the upstream

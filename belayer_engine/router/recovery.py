@@ -11,6 +11,7 @@ has and suppressed, and counted in ``regenerated``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from belayer.errors import WorkerLost
+from belayer.errors import RequestFailed, WorkerLost
 from belayer_engine.routing import RoutingTable
 
 from .config import RouterConfig
@@ -78,6 +79,7 @@ class Continuation:
         cfg = self.config
         force_token_level = False
         attempt = 0
+        after_worker_failure = False  # this attempt replays the request after a WorkerLost
         while True:
             endpoint = await self.table.acquire(cfg.request_wait_s)
             if cfg.recovery == "chunk" and not force_token_level:
@@ -93,41 +95,61 @@ class Continuation:
             }
             attempt += 1
             gen.workers.append(f"{endpoint.slot}#{endpoint.instance}")
+            replaying = after_worker_failure
+            if replaying:
+                endpoint.replaying += 1
+            progressed = False
+            upstream = stream_generate(
+                self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,
+                connect_timeout=cfg.connect_timeout_s, probe_timeout=cfg.stall_probe_timeout_s,
+                max_silence=cfg.max_silence_s,
+            )
             try:
-                async for chunk in stream_generate(
-                    self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,
-                    connect_timeout=cfg.connect_timeout_s, probe_timeout=cfg.stall_probe_timeout_s,
-                    max_silence=cfg.max_silence_s,
-                ):
-                    new = chunk.ids
-                    if skip:
-                        tail = gen.generated[len(gen.generated) - skip :]
-                        overlap = new[: len(tail)]
-                        if overlap != tail[: len(overlap)]:
-                            raise _Diverged()
-                        gen.regenerated += len(overlap)
-                        skip -= len(overlap)
-                        new = new[len(overlap) :]
-                        if chunk.finish and skip:
-                            raise _Diverged()
-                    gen.generated.extend(new)
-                    gen.weight_version = chunk.meta.get("weight_version", gen.weight_version)
-                    if gen.weight_version is not None and gen.weight_version not in gen.weight_versions:
-                        gen.weight_versions.append(gen.weight_version)
-                    if chunk.finish:
-                        gen.finish = chunk.finish
-                    if new or chunk.finish:
-                        yield Chunk(ids=new, text=chunk.text, finish=chunk.finish, meta=chunk.meta)
-                    if chunk.finish:
-                        return
+                # aclosing: when the client goes away (or a stop string ends the request) the
+                # worker stream is closed at once, which aborts the request on the worker.
+                async with contextlib.aclosing(upstream):
+                    async for chunk in upstream:
+                        if replaying and not progressed and (chunk.ids or chunk.finish):
+                            progressed = True
+                            endpoint.replaying -= 1
+                        new = chunk.ids
+                        if skip:
+                            tail = gen.generated[len(gen.generated) - skip :]
+                            overlap = new[: len(tail)]
+                            if overlap != tail[: len(overlap)]:
+                                raise _Diverged()
+                            gen.regenerated += len(overlap)
+                            skip -= len(overlap)
+                            new = new[len(overlap) :]
+                            if chunk.finish and skip:
+                                raise _Diverged()
+                        gen.generated.extend(new)
+                        gen.weight_version = chunk.meta.get("weight_version", gen.weight_version)
+                        if gen.weight_version is not None and gen.weight_version not in gen.weight_versions:
+                            gen.weight_versions.append(gen.weight_version)
+                        if chunk.finish:
+                            gen.finish = chunk.finish
+                        if new or chunk.finish:
+                            yield Chunk(ids=new, text=chunk.text, finish=chunk.finish, meta=chunk.meta)
+                        if chunk.finish:
+                            return
             except _Diverged:
                 log.warning("request %s: regenerated tail diverged; resuming token-level", gen.rid)
                 force_token_level = gen.diverged = True
                 continue
             except WorkerLost as exc:
+                # endpoint.replaying stays raised on this path: the supervisor reads it when
+                # it handles this failure, whichever of us sees the failure first.
                 self.table.report_failure(endpoint, str(exc))
                 gen.recoveries += 1
                 gen.failures.append({"endpoint": f"{endpoint.slot}#{endpoint.instance}", "reason": str(exc), "at_token": len(gen.generated), "t": time.time()})
+                if replaying and not progressed:
+                    # It failed the worker it was moved to as well, at the same token: it may
+                    # be what kills workers. End it here rather than replay it into a third.
+                    raise RequestFailed(
+                        f"request {gen.rid} failed on two workers in a row at token {len(gen.generated)} "
+                        f"({exc}); not replayed again") from exc
+                after_worker_failure = True
                 log.info("request %s: %s lost at token %d (%s); resuming", gen.rid, endpoint, len(gen.generated), exc)
                 if gen.recoveries > cfg.max_recoveries:
                     raise WorkerLost(f"request {gen.rid} gave up after {gen.recoveries} worker failures: {exc}") from exc
@@ -135,3 +157,7 @@ class Continuation:
                     gen.finish = {"type": "length", "length": gen.max_new_tokens}
                     yield Chunk(ids=[], text="", finish=gen.finish, meta={})
                     return
+            except BaseException:
+                if replaying and not progressed:  # ended here for another reason: not a suspect
+                    endpoint.replaying -= 1
+                raise

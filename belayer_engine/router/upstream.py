@@ -1,11 +1,16 @@
 """One streamed ``POST /generate`` against one worker (SGLang's native protocol).
 
-Turns the worker's cumulative ``output_ids`` into deltas and every way a worker can fail
-into one typed error, ``WorkerLost``: connection refused, a stream that ends without a
-finish reason or ``[DONE]``, an ``abort`` finish, no token within the stall timeout, or the
-supervisor declaring the endpoint lost (the ``LOST`` sentinel). A silent stream is only
-declared stalled when the worker does not answer ``/health`` either, so a busy worker
-(long queue, long prefill) is never fenced for being slow.
+Turns the worker's cumulative ``output_ids`` into deltas, and tells a failure of the
+request from a failure of the worker by the worker's liveness (``/health``):
+
+- ``WorkerLost`` (the worker is dead, hung or unhealthy: the supervisor hands over):
+  connection refused, a stream that breaks or ends without a finish while ``/health``
+  fails too, no token within the stall timeout and no ``/health`` answer, or the
+  supervisor declaring the endpoint lost (the ``LOST`` sentinel).
+- ``UsageError`` / ``RequestFailed`` (this request alone ends; nobody is blamed): a 4xx
+  answer, an ``abort`` finish carrying a ``status_code`` (SGLang's shape for an error
+  inside one request), an abort or broken stream while the worker answers ``/health``,
+  and a stream silent for ``max_silence`` while the worker stays healthy.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from belayer.errors import UsageError, WorkerLost
+from belayer.errors import RequestFailed, UsageError, WorkerLost
 from belayer_engine.routing import LOST, Endpoint
 from belayer_engine.sse import sse_json
 
@@ -57,6 +62,17 @@ async def _pump(session: aiohttp.ClientSession, url: str, body: dict, queue: asy
         queue.put_nowait(WorkerLost(f"stream broken: {type(exc).__name__}: {exc}"))
 
 
+def _request_error(finish: dict, healthy: bool) -> Exception:
+    """The error for an ``abort`` finish: the request's own, or the worker's."""
+    message = f"the worker ended the request: {finish.get('message') or finish}"
+    code = finish.get("status_code")
+    if isinstance(code, int) and 400 <= code < 500:
+        return UsageError(message)
+    if isinstance(code, int) or healthy:
+        return RequestFailed(message)
+    return WorkerLost(f"worker aborted the request and fails /health: {finish}")
+
+
 async def _answers_health(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float) -> bool:
     """A stopped (SIGSTOP) or wedged worker does not answer; a merely busy one does."""
     if endpoint.lost:
@@ -94,15 +110,20 @@ async def stream_generate(
                 item = await asyncio.wait_for(queue.get(), stall_timeout)
             except TimeoutError:
                 silent += stall_timeout
-                if silent < max_silence and await _answers_health(session, endpoint, probe_timeout):
-                    continue  # slow (queued, long prefill), not stalled: keep waiting
-                raise WorkerLost(f"stalled: no token for {silent:.1f}s and no /health answer") from None
+                if not await _answers_health(session, endpoint, probe_timeout):
+                    raise WorkerLost(f"stalled: no token for {silent:.1f}s and no /health answer") from None
+                if silent >= max_silence:  # the worker is fine; this one request is stuck
+                    raise RequestFailed(f"no token for {silent:.0f}s while the worker stays healthy; request ended") from None
+                continue  # slow (queued, long prefill), not stalled: keep waiting
             silent = 0.0
             if item is LOST:
                 raise WorkerLost("endpoint declared lost")
+            if item is _DONE and not finished or isinstance(item, WorkerLost):
+                reason = "[DONE] without a finish reason" if item is _DONE else str(item)
+                if await _answers_health(session, endpoint, probe_timeout):
+                    raise RequestFailed(f"the worker's stream for this request broke ({reason}) while the worker stays healthy")
+                raise WorkerLost(reason)
             if item is _DONE:
-                if not finished:
-                    raise WorkerLost("[DONE] without a finish reason")
                 return
             if isinstance(item, Exception):
                 raise item
@@ -111,7 +132,7 @@ async def stream_generate(
             delta, seen = ids[seen:], max(seen, len(ids))
             finish = meta.get("finish_reason")
             if finish and finish.get("type") == "abort":
-                raise WorkerLost(f"worker aborted the request: {finish}")
+                raise _request_error(finish, await _answers_health(session, endpoint, probe_timeout))
             yield Chunk(ids=delta, text=item.get("text") or "", finish=finish, meta=meta)
             if finish:
                 finished = True

@@ -90,6 +90,16 @@ async def fence(proc: Proc, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+async def stop_gracefully(proc: Proc, timeout: float) -> None:
+    """SIGTERM (the arena removes its shared-memory files), then fence whatever is left."""
+    if proc.alive:
+        with contextlib.suppress(ProcessLookupError):
+            proc.process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.process.wait(), timeout)
+    await fence(proc, timeout)
+
+
 async def wait_until(
     check: Callable[[], Awaitable[bool]], proc: Proc, timeout: float, what: str, interval: float = 0.05
 ) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from belayer.errors import BelayerError, WorkerLost
+from belayer_engine import owner, worker_auth
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.base import SlotSpec, WorkerBackend, WorkerSpec
 from belayer_engine.routing import Endpoint
@@ -63,13 +64,16 @@ class SlotProcesses:
     """Starts arena / worker / shadow processes of slots and talks to them."""
 
     def __init__(self, config: SupervisorConfig, backend: WorkerBackend, run_dir: Path,
-                 session: aiohttp.ClientSession) -> None:
+                 session: aiohttp.ClientSession, worker_secret: str | None = None) -> None:
         self.config = config
         self.backend = backend
         self.run_dir = run_dir
         self.session = session
         self._seq = itertools.count(1)
-        self._env = _child_env()
+        self._env = {**_child_env(), **owner.env_for_children()}  # children watch this process
+        self._env.pop(worker_auth.ENV, None)
+        # Workers and shadows get the secret in their environment (never argv); the arena does not.
+        self._worker_env = {**self._env, worker_auth.ENV: worker_secret} if worker_secret else self._env
 
     def spec(self, slot: Slot) -> SlotSpec:
         return SlotSpec(name=slot.name, device=slot.device, arena_socket=slot.socket, run_dir=self.run_dir)
@@ -97,7 +101,7 @@ class SlotProcesses:
         argv = [cfg.python, *self.backend.worker_argv(self.spec(slot), spec)]
         url = f"http://{cfg.host}:{spec.port}"
         proc = await spawn(role, spec.worker_id, argv, self.run_dir / f"{spec.worker_id}.log", url=url,
-                           env=self.backend.worker_env(self._env))
+                           env=self.backend.worker_env(self._worker_env))
 
         async def ready() -> bool:
             return await self.backend.ready(self.session, url, shadow)

@@ -8,7 +8,10 @@ Recovery decisions for the engine half live here (the router only reports what i
   -> swap it into the routing table -> in-flight requests resume there -> arm a new
   shadow in the background. No shadow ready: cold-start a worker instead.
 - the replacement fails again within ``unhealthy_window_s``: the device is marked
-  unhealthy and excluded; its requests move to the other slots; an alert is logged.
+  unhealthy and excluded; its requests move to the other slots; an alert is logged. Not
+  when the replacement was carrying a replayed request that had not produced a token yet:
+  that request may be what kills workers (the router ends it, never replays it again), so
+  the slot is handed over once more instead.
 - arena failure: cold restart of arena and worker; requests wait (delay, not an error).
 """
 
@@ -24,9 +27,10 @@ from pathlib import Path
 import aiohttp
 
 from belayer.errors import DeviceUnhealthy, WorkerLost
+from belayer_engine import worker_auth
 from belayer_engine.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
-from belayer_engine.supervisor.processes import Proc, fence
+from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
 
 log = logging.getLogger(__name__)
@@ -37,9 +41,10 @@ _REARM_DELAY_S = 0.02  # a new shadow is spawned this long after a handover (off
 class Supervisor:
     """Owns the processes of every slot; feeds the router's ``RoutingTable``."""
 
-    def __init__(self, config: SupervisorConfig, table: RoutingTable) -> None:
+    def __init__(self, config: SupervisorConfig, table: RoutingTable, worker_secret: str | None = None) -> None:
         self.config = config
         self.table = table
+        self.worker_secret = worker_secret  # closes worker endpoints to other local users
         self.events: list[dict] = []
         self.slots: list[Slot] = []
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -59,8 +64,8 @@ class Supervisor:
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="belayer-engine-")
             run_dir = Path(self._tmp.name)
-        self._session = aiohttp.ClientSession()
-        self._procs = SlotProcesses(cfg, make_backend(cfg), run_dir, self._session)
+        self._session = aiohttp.ClientSession(headers=worker_auth.headers(self.worker_secret))
+        self._procs = SlotProcesses(cfg, make_backend(cfg), run_dir, self._session, self.worker_secret)
         self.table.add_listener(self._on_router_failure)
         for i in range(cfg.workers):
             slot = Slot(name=f"w{i}", index=i, device=cfg.device_of(i), socket=run_dir / f"arena{i}.sock")
@@ -76,10 +81,13 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self._tasks, *arming, return_exceptions=True)
         for slot in self.slots:
-            for proc in (slot.worker, slot.shadow, slot.arena):
+            for proc in (slot.worker, slot.shadow):
                 if proc is not None:
                     with contextlib.suppress(WorkerLost):
                         await fence(proc, self.config.fence_timeout_s)
+            if slot.arena is not None:  # a clean stop: the arena removes its /dev/shm files
+                with contextlib.suppress(WorkerLost):
+                    await stop_gracefully(slot.arena, self.config.fence_timeout_s)
         if self._session:
             await self._session.close()
         if self._tmp:
@@ -255,6 +263,9 @@ class Supervisor:
             if slot.excluded or slot.worker is not proc or self._stopping:
                 return  # already handled (several detectors saw the same failure)
             t0 = time.monotonic()
+            # Replayed requests that had not produced a token on this worker: the failure may
+            # be theirs (the router ends them), so it does not count against the device.
+            suspects = slot.endpoint.replaying if slot.endpoint is not None else 0
             self._event(slot, "detected", source=source, reason=reason, pid=proc.pid)
             await self.table.mark_down(slot.name, reason)
             slot.worker, slot.endpoint = None, None
@@ -272,8 +283,10 @@ class Supervisor:
                 await self._cold_restart(slot, "arena unhealthy at handover")
                 return
             if slot.promoted_at is not None and t0 - slot.promoted_at < cfg.unhealthy_window_s:
-                await self._exclude(slot, f"replacement failed again {t0 - slot.promoted_at:.2f}s after handover: {reason}")
-                return
+                if not suspects:
+                    await self._exclude(slot, f"replacement failed again {t0 - slot.promoted_at:.2f}s after handover: {reason}")
+                    return
+                self._event(slot, "not_excluded", reason=f"{suspects} replayed request(s) without a token on the failed worker")
             new, path = await self._take_shadow(slot), "shadow"
             if new is None:
                 path = "cold"

@@ -154,10 +154,10 @@ def test_serve_help_lists_every_config_field_with_its_default():
     from belayer_engine.supervisor.config import SupervisorConfig
 
     engine = _help(["serve", "engine"])
-    _assert_lists(engine, serve_engine._router_flags(("tokenizer",)), RouterConfig, {"tokenizer"})
+    _assert_lists(engine, serve_engine._router_flags(("tokenizer",)), RouterConfig, {"tokenizer", "worker_api_key"})
     _assert_lists(engine, serve_engine._supervisor_flags(), SupervisorConfig, {"host", "python"})
     router = _help(["serve", "router"])
-    _assert_lists(router, serve_engine._router_flags(), RouterConfig, set())
+    _assert_lists(router, serve_engine._router_flags(), RouterConfig, {"worker_api_key"})  # a secret: no flag
 
 
 def test_demo_help_lists_every_run_config_field_with_its_default():

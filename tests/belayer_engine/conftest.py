@@ -58,10 +58,10 @@ def terminate(p: subprocess.Popen) -> None:
 class Proc:
     """A child process we started; stopped by its own pid only."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.log = log
         self.fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env=_env(),
+        self.p = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**_env(), **(env or {})},
                                   stdout=self.fh, stderr=subprocess.STDOUT)
 
     @property
@@ -84,10 +84,10 @@ class Proc:
 
 
 class Arena(Proc):
-    def __init__(self, tmp: Path, *extra: str):
+    def __init__(self, tmp: Path, *extra: str, env: dict | None = None):
         self.socket = str(tmp / "arena.sock")
         super().__init__(["-m", "belayer_engine.arena", "--socket", self.socket, *extra],
-                         tmp / "arena.log")
+                         tmp / "arena.log", env)
         from belayer_engine.arena.client import ArenaClient
 
         self.client = ArenaClient(self.socket)

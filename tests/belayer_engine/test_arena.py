@@ -64,17 +64,24 @@ def test_gc_reaps_the_shm_files_of_a_killed_arena_only(tmp_path, procs):
     """A SIGKILLed arena leaves its weights/KV files in /dev/shm; ``belayer gc`` removes
     exactly those (``--dry-run`` only lists them), never a live arena's."""
     import json
+    import os
     import subprocess
     import sys
 
-    from belayer_engine.arena.shm_files import SHM_DIR, SHM_PREFIX
+    from belayer_engine.arena.shm_files import SHM_PREFIX
+
+    # A private shm directory: on a shared machine any other arena that starts reaps the
+    # files of dead arenas in /dev/shm, which would race with the dry run below.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"BELAYER_SHM_DIR": str(shm)}
 
     def files_of(pid: int) -> set[str]:
-        return {str(p) for p in SHM_DIR.glob(f"{SHM_PREFIX}{pid}-*")}
+        return {str(p) for p in shm.glob(f"{SHM_PREFIX}{pid}-*")}
 
     (tmp_path / "dead").mkdir()
     (tmp_path / "live").mkdir()
-    dead, live = Arena(tmp_path / "dead"), Arena(tmp_path / "live")
+    dead, live = Arena(tmp_path / "dead", env=env), Arena(tmp_path / "live", env=env)
     procs += [dead, live]
     dead_pid = dead.pid
     left, kept = files_of(dead_pid), files_of(live.pid)
@@ -83,7 +90,7 @@ def test_gc_reaps_the_shm_files_of_a_killed_arena_only(tmp_path, procs):
 
     def gc(*flags: str) -> dict:
         r = subprocess.run([sys.executable, "-m", "belayer", "gc", "--json", *flags],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 

@@ -29,9 +29,9 @@ def client(engine):
     return openai.OpenAI(base_url=engine.base_url, api_key=KEY, max_retries=0)
 
 
-async def _direct_generate(url: str, input_ids: list[int], max_new_tokens: int) -> list[int]:
+async def _direct_generate(url: str, input_ids: list[int], max_new_tokens: int, headers: dict) -> list[int]:
     body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-    async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=body) as resp:
+    async with aiohttp.ClientSession(headers=headers) as s, s.post(url + "/generate", json=body) as resp:
         assert resp.status == 200, await resp.text()
         return list((await resp.json())["output_ids"])
 
@@ -39,12 +39,13 @@ async def _direct_generate(url: str, input_ids: list[int], max_new_tokens: int) 
 def test_models_and_health(engine, client):
     assert [m.id for m in client.models.list().data] == ["belayer-default"]
 
-    async def health():
-        async with aiohttp.ClientSession() as s, s.get(engine.base_url.removesuffix("/v1") + "/health") as r:
+    async def health(headers):
+        async with aiohttp.ClientSession(headers=headers) as s, s.get(engine.base_url.removesuffix("/v1") + "/health") as r:
             return r.status, await r.json()
 
-    status, body = asyncio.run(health())
+    status, body = asyncio.run(health({"Authorization": f"Bearer {KEY}"}))
     assert status == 200 and body["workers"] == 1
+    assert asyncio.run(health({})) == (200, {"status": "ok"})  # without the key: no detail
 
 
 def test_chat_matches_worker_and_counts_usage(engine, client):
@@ -61,7 +62,7 @@ def test_chat_matches_worker_and_counts_usage(engine, client):
     prompt_ids = load_codec(None).render_chat(MESSAGES)
     assert resp.usage.prompt_tokens == len(prompt_ids)
     url = engine.status()["slots"]["w0"]["worker_url"]
-    assert asyncio.run(_direct_generate(url, prompt_ids, 24)) == ids
+    assert asyncio.run(_direct_generate(url, prompt_ids, 24, engine.worker_headers())) == ids
     assert choice.message.content == load_codec(None).decode(ids)
 
 
@@ -140,7 +141,8 @@ def test_static_router_fronts_any_sglang_worker(engine):
     worker_url = engine.status()["slots"]["w0"]["worker_url"]
 
     async def go():
-        router = Router(RouterConfig(probe_interval_s=0.05, stall_timeout_s=0.005))
+        secret = engine.worker_headers()["Authorization"].removeprefix("Bearer ")
+        router = Router(RouterConfig(probe_interval_s=0.05, stall_timeout_s=0.005, worker_api_key=secret))
         router.add_static_workers([worker_url])
         base = await router.start()
         try:

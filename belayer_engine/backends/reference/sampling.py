@@ -1,29 +1,46 @@
 """Sampling parameters (SGLang's ``sampling_params`` names) and the sampler.
 
-``temperature == 0`` (or ``top_k == 1``) is greedy: the first maximal logit, which makes
-greedy output exact and reproducible. Otherwise tokens are drawn with a per-request
-``torch.Generator`` seeded from ``seed`` (or ``sampling_seed``, SGLang's name).
+``temperature`` below ``GREEDY_EPS`` (0 included) or ``top_k == 1`` is greedy: the first
+maximal logit, which makes greedy output exact and reproducible, and keeps a degenerate
+temperature such as 1e-300 from dividing the logits into inf/nan. Otherwise tokens are
+drawn with a per-request ``torch.Generator`` seeded from ``seed`` (or ``sampling_seed``,
+SGLang's name), 0 <= seed < 2**63. Types are strict (``true`` is not an integer) and
+unknown fields are refused, so a feature the worker does not implement (penalties,
+constrained decoding) is never silently ignored.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+GREEDY_EPS = 1e-5  # as SGLang: a smaller temperature is argmax
+MAX_SEED = 2**63
+MAX_STOP = 16
+
+
+class SamplingError(ValueError):
+    """One request's sampling failed (e.g. non-finite logits): that request alone ends."""
+
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 
 
 class SamplingParams(BaseModel):
-    """Unknown SGLang fields are accepted and ignored; known ones are validated."""
+    """SGLang ``sampling_params`` this worker implements; others are refused by name."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int = Field(128, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = -1
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
-    sampling_seed: int | None = None
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=256)
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    sampling_seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -49,7 +66,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_EPS or self.top_k == 1
 
     def generator(self) -> torch.Generator | None:
         if self.greedy:
@@ -64,7 +81,7 @@ class SamplingParams(BaseModel):
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token id from a (vocab,) float32 logits row."""
+    """One token id from a (vocab,) float32 logits row; ``SamplingError`` if it cannot be drawn."""
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits.detach().float().cpu() / params.temperature
@@ -76,4 +93,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = (sorted_p.cumsum(0) - sorted_p) < params.top_p
         probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        raise SamplingError("the logits cannot be sampled (not finite); the request was ended")
     return int(torch.multinomial(probs, 1, generator=gen))

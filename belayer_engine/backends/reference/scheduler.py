@@ -7,6 +7,12 @@ prompt rows and one decode row per running request, sample, and emit.
 
 A request reserves the blocks for ``prompt + max_new_tokens`` when admitted, so a running
 request never waits for memory and nothing is ever preempted.
+
+An error inside one request (its sampling, its stop check, its rows of a forward call)
+finishes that request alone with an ``abort`` carrying ``status_code`` (SGLang's shape:
+400 for bad input, 500 otherwise) and frees its blocks; the rest of the batch goes on. When
+a batched forward call fails, each request's rows are re-run alone (rewriting the same KV
+positions), so only the request that breaks it is failed.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ import torch
 
 from belayer.errors import UsageError
 from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
-from belayer_engine.backends.reference.sampling import SamplingParams, sample
+from belayer_engine.backends.reference.sampling import SamplingError, SamplingParams, sample
 from belayer_engine.model.tokenizer import Tokenizer
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A generation in flight. ``emit`` is called from the engine thread with each update."""
 
@@ -82,6 +88,7 @@ class BatchScheduler:
         self.running: list[Request] = []
         self.stopping = False
         self.thread: threading.Thread | None = None
+        self.beat = time.monotonic()  # the loop's last sign of life (see stuck_s)
         self.graphs = None  # a cuda_graphs.GraphRunner on CUDA, else None (eager)
 
     # ------------------------------------------------------------------ control
@@ -151,6 +158,13 @@ class BatchScheduler:
             self.alloc.reset()
             return True
 
+    def stuck_s(self) -> float:
+        """Seconds the loop has been inside one step with work pending (0 when idle): a hung
+        scheduler behind a live HTTP server still shows up as unhealthy."""
+        if not (self.running or self.waiting or self.inbox):
+            return 0.0
+        return time.monotonic() - self.beat
+
     def load(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting) + len(self.inbox),
                 "free_blocks": len(self.alloc.free)}
@@ -158,6 +172,7 @@ class BatchScheduler:
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
         while True:
+            self.beat = time.monotonic()
             with self.cond:
                 self.cond.wait_for(lambda: self.stopping or self.inbox or self.aborts
                                    or self.running or self.pending_weights is not None
@@ -168,13 +183,14 @@ class BatchScheduler:
                 self.waiting.extend(self.inbox)
                 self.inbox.clear()
                 aborts, self.aborts = self.aborts, set()
+            self.beat = time.monotonic()
             self._apply_aborts(aborts)
             try:
                 self._step()
             except Exception as exc:  # a bug must not wedge the worker: fail the batch
                 traceback.print_exc(file=sys.stderr)
                 for r in list(self.running):
-                    self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})
+                    self._fail(r, exc)
 
     def _apply_aborts(self, aborts: set[str]) -> None:
         if not aborts:
@@ -194,6 +210,12 @@ class BatchScheduler:
         r.blocks = []
         self._emit(r)
 
+    def _fail(self, r: Request, exc: BaseException) -> None:
+        """End ``r`` alone with an error the router reports to its client (not a worker failure)."""
+        bad_input = isinstance(exc, UsageError | SamplingError)
+        self._finish(r, {"type": "abort", "message": f"request failed in the worker: {type(exc).__name__}: {exc}",
+                         "status_code": 400 if bad_input else 500, "err_type": type(exc).__name__})
+
     def _emit(self, r: Request) -> None:
         r.emit({"output_ids": list(r.output), "finish_reason": r.finish_reason,
                 "weight_version": self.version, "weight_version_start": r.version_start})
@@ -210,7 +232,11 @@ class BatchScheduler:
                 break
             self.waiting.popleft()
             r.blocks, r.version_start = blocks, self.version
-            r.generator = r.params.generator()
+            try:
+                r.generator = r.params.generator()
+            except Exception as exc:  # e.g. a seed torch refuses: this request alone
+                self._fail(r, exc)
+                continue
             budget -= len(r.prompt)
             if r.params.max_new_tokens == 0:
                 self._finish(r, {"type": "length", "length": 0})
@@ -223,19 +249,40 @@ class BatchScheduler:
         batch = self.running + new
         if not batch:
             return
-        logits = self._graph_step(batch, new)
-        if logits is None:
-            logits = self._eager(batch, new)
         self.running.extend(new)
-        greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
-        for i, r in enumerate(batch):
-            tok = greedy[i] if r.params.greedy else sample(logits[i], r.params, r.generator)
-            r.output.append(tok)
-            reason = self._stop_reason(r, tok)
+        try:
+            logits = self._graph_step(batch, new)
+            if logits is None:
+                logits = self._eager(batch, new)
+            rows = list(zip(batch, logits, strict=True))
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+            rows = self._one_by_one(batch, new)
+        if not rows:
+            return
+        greedy = torch.stack([row for _, row in rows]).argmax(-1).tolist()  # one device sync
+        for (r, row), best in zip(rows, greedy, strict=True):
+            try:
+                tok = best if r.params.greedy else sample(row, r.params, r.generator)
+                r.output.append(tok)
+                reason = self._stop_reason(r, tok)
+            except Exception as exc:
+                self._fail(r, exc)
+                continue
             if reason is not None:
                 self._finish(r, reason)
             else:
                 self._emit(r)
+
+    def _one_by_one(self, batch: list[Request], new: list[Request]) -> list:
+        """(request, logits) per request, each run alone: a request whose rows fail is failed alone."""
+        rows = []
+        for r in batch:
+            try:
+                rows.append((r, self._eager([r], [r] if any(r is n for n in new) else [])[0]))
+            except Exception as exc:
+                self._fail(r, exc)
+        return rows
 
     def _graph_step(self, batch: list[Request], new: list[Request]) -> torch.Tensor | None:
         """Logits of one step from CUDA graphs: the decode graph for the running requests and

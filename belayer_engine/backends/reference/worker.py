@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -19,7 +20,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from belayer.errors import ArenaLost, BelayerError, UsageError
-from belayer_engine import cli_args
+from belayer_engine import cli_args, owner, worker_auth
 from belayer_engine.backends.reference.sampling import SamplingParams
 from belayer_engine.backends.reference.scheduler import Request
 from belayer_engine.backends.reference.state import WorkerState
@@ -34,15 +35,17 @@ class WorkerConfig(BaseModel):
     shadow: bool = False
     worker_id: str = Field(default_factory=lambda: f"w-{os.getpid()}")
     threads: int = 1  # fixed intra-op threads: part of what makes CPU greedy output exact
+    hang_timeout_s: float = Field(60.0, gt=0, description="/health fails once one scheduler step takes longer")
     max_running: int = Field(32, ge=1)
     max_prefill_tokens: int = Field(1024, ge=1)
     tokenizer_dir: str | None = None
 
 
 class GenerateRequest(BaseModel):
-    """SGLang ``/generate`` body (single request). Unknown fields are ignored."""
+    """SGLang ``/generate`` body (single request). Unknown fields (SGLang features this
+    worker does not implement: logprobs, LoRA, images, ...) are refused by name."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -66,10 +69,12 @@ def _validation_message(exc: ValidationError) -> str:
 class WorkerApp:
     """aiohttp routes; the runtime does the work on its own engine thread."""
 
-    def __init__(self, rt: WorkerState):
+    def __init__(self, rt: WorkerState, secret: str | None = None, hang_timeout_s: float = 60.0):
         self.rt = rt
+        self.secret = secret
+        self.hang_timeout_s = hang_timeout_s
         self.live: dict[str, Request] = {}
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._auth])
         app.add_routes([
             web.post("/generate", self.generate),
             web.get("/health", self.health),
@@ -85,6 +90,13 @@ class WorkerApp:
         self.app = app
 
     # ------------------------------------------------------------------ helpers
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """Every route needs the engine's secret when the worker was started with one."""
+        if not worker_auth.authorized(request.headers.get("Authorization"), self.secret):
+            return _error(401, "this worker serves only its engine (missing or wrong secret)")
+        return await handler(request)
+
     def _unavailable(self) -> web.Response | None:
         if self.rt.state != "active":
             return web.json_response({"status": "shadow", "error": {
@@ -110,9 +122,11 @@ class WorkerApp:
 
     async def _parse(self, request: web.Request) -> GenerateRequest:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as exc:
             raise UsageError(f"body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise UsageError("body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise UsageError("body must be a JSON object (batched requests are not supported)")
         try:
@@ -176,6 +190,10 @@ class WorkerApp:
     async def health(self, request: web.Request) -> web.Response:
         if (resp := self._unavailable()) is not None:
             return resp
+        stuck = self.rt.scheduler.stuck_s()
+        if stuck > self.hang_timeout_s:
+            return web.json_response({"status": "hung", "error": {
+                "message": f"the scheduler has been inside one step for {stuck:.0f}s"}}, status=503)
         return web.json_response({"status": "ok", "weight_version": self.rt.weight_version})
 
     async def health_generate(self, request: web.Request) -> web.Response:
@@ -221,7 +239,7 @@ class WorkerApp:
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             return _error(400, "body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object with 'rid' or 'abort_all'")
@@ -256,13 +274,18 @@ add_arguments = cli_args.worker
 def run(args: argparse.Namespace) -> int:
     fields = {k: v for k, v in vars(args).items() if k in WorkerConfig.model_fields and v is not None}
     cfg = WorkerConfig(**fields)
+    owner.watch_owner(lambda: os._exit(1), death_signal=signal.SIGKILL)  # never outlive the engine
+    secret = worker_auth.take_from_env()
+    if secret is None:
+        print(f"warning: {worker_auth.ENV} not set: every local user can use this worker", file=sys.stderr)
     rt = WorkerState(cfg.arena_socket, cfg.worker_id, cfg.shadow, cfg.threads,
                        cfg.max_running, cfg.max_prefill_tokens, tokenizer_dir=cfg.tokenizer_dir)
-    return asyncio.run(_serve(WorkerApp(rt), cfg))
+    return asyncio.run(_serve(WorkerApp(rt, secret, cfg.hang_timeout_s), cfg))
 
 
 async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
-    runner = web.AppRunner(worker.app, access_log=None)
+    # handler_cancellation: a client gone away aborts its request, streamed or not.
+    runner = web.AppRunner(worker.app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

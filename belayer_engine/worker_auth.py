@@ -1,0 +1,38 @@
+"""The per-engine secret that closes worker endpoints to all but the router and supervisor.
+
+The engine draws a random secret at start and hands it to its workers and shadows in the
+inherited environment variable ``BELAYER_WORKER_SECRET``, never on the command line
+(``/proc/PID/cmdline`` is world-readable, ``/proc/PID/environ`` only to the same user).
+Every request to a worker carries ``Authorization: Bearer <secret>``, the scheme of
+SGLang's ``--api-key``, so the same header reaches a real SGLang server. Torch- and
+aiohttp-free: the router, the supervisor and the worker all import it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+
+ENV = "BELAYER_WORKER_SECRET"
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def headers(secret: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+def take_from_env() -> str | None:
+    """The secret this process was started with, removed from the environment so that
+    nothing it starts inherits it."""
+    return os.environ.pop(ENV, None) or None
+
+
+def authorized(authorization: str | None, secret: str | None) -> bool:
+    """True when no secret is set, or the header carries it (constant-time compare)."""
+    if not secret:
+        return True
+    return hmac.compare_digest((authorization or "").encode(), f"Bearer {secret}".encode())
