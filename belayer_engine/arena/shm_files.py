@@ -1,10 +1,16 @@
 """The arena's POSIX shared-memory files, and reaping those whose arena died (torch-free:
-``belayer gc`` uses it)."""
+``belayer gc`` uses it).
+
+A file is named after its arena as ``belayer.procfs.OwnerId`` (pid and start time), the
+one owner-liveness rule of the project: a recycled pid never keeps a dead arena's files.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from belayer.procfs import OwnerId, owner_alive
 
 # BELAYER_SHM_DIR: another directory (tests use a private one, out of reach of the reapers
 # of every other arena on the machine).
@@ -12,20 +18,18 @@ SHM_DIR = Path(os.environ.get("BELAYER_SHM_DIR") or ("/dev/shm" if Path("/dev/sh
 SHM_PREFIX = "belayer-arena-"
 
 
-def shm_path(name: str, pid: int | None = None) -> Path:
-    """The file of region ``name`` of the arena process ``pid`` (default: this one)."""
-    return SHM_DIR / f"{SHM_PREFIX}{os.getpid() if pid is None else pid}-{name}"
+def shm_path(name: str) -> Path:
+    """The file of region ``name`` of this arena process."""
+    return SHM_DIR / f"{SHM_PREFIX}{OwnerId.current().to_label()}-{name}"
 
 
 def orphaned() -> list[Path]:
     """Shm files whose owning arena process is gone (a SIGKILLed arena leaves them behind)."""
     out = []
     for p in sorted(SHM_DIR.glob(SHM_PREFIX + "*")):
-        try:
-            pid = int(p.name[len(SHM_PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not Path(f"/proc/{pid}").exists():
+        pid, _, rest = p.name[len(SHM_PREFIX):].partition("-")
+        start = rest.partition("-")[0]
+        if not owner_alive(f"{pid}-{start}"):
             out.append(p)
     return out
 
