@@ -1,0 +1,101 @@
+"""Command line and environment of one SGLang server (``python -m sglang.launch_server``).
+
+Torch-free. The server runs from SGLang's own virtual environment (set up by
+``scripts/setup_sglang.sh``), never the project's. Settings that matter for recovery:
+crash-dump sleeps off (a killed server's streams end in well under a second instead of
+~6 s), 127.0.0.1 only, no warm-up request (it would write KV on a shadow), weights from
+the weight-cache socket of the process that owns them (``--weight-cache-mode client``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from belayer.errors import ConfigError
+
+DEFAULT_VENV = "/opt/belayer/sglang-venv"
+SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
+SETUP_HINT = "run `bash scripts/setup_sglang.sh` (or set BELAYER_SGLANG_VENV to an SGLang venv)"
+
+
+class SGLangServerConfig(BaseModel):
+    """One SGLang server; every field maps to a flag or an environment variable."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_path: str
+    port: int = Field(ge=1, le=65535)
+    host: str = "127.0.0.1"
+    device: str = "cpu"
+    weight_cache_socket: str | None = None  # None: SGLang loads the weights from disk
+    venv: str | None = None  # None: $BELAYER_SGLANG_VENV or /opt/belayer/sglang-venv
+    max_total_tokens: int = Field(default=4096, ge=64)
+    context_length: int = Field(default=2048, ge=16)
+    max_running_requests: int = Field(default=16, ge=1)
+    dtype: str | None = None  # None: float32 on CPU, the model's own dtype on GPU
+    attention_backend: str | None = None  # None: torch_native on CPU, triton on GPU
+    threads: int = Field(default=1, ge=1, description="OMP threads of the CPU forward")
+    extra_args: list[str] = Field(default_factory=list)
+
+
+def venv_dir(venv: str | None = None) -> Path:
+    return Path(venv or os.environ.get("BELAYER_SGLANG_VENV") or DEFAULT_VENV)
+
+
+def venv_python(venv: str | None = None) -> Path:
+    """The SGLang venv's interpreter; ConfigError naming the set-up script when absent."""
+    py = venv_dir(venv) / "bin" / "python"
+    if not py.is_file():
+        raise ConfigError(f"no SGLang environment at {venv_dir(venv)}: {SETUP_HINT}")
+    return py
+
+
+def is_cpu(device: str) -> bool:
+    return device == "cpu"
+
+
+def server_argv(cfg: SGLangServerConfig) -> list[str]:
+    cpu = is_cpu(cfg.device)
+    argv = [str(venv_python(cfg.venv)), "-m", "sglang.launch_server",
+            "--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port),
+            "--max-total-tokens", str(cfg.max_total_tokens),
+            "--context-length", str(cfg.context_length),
+            "--max-running-requests", str(cfg.max_running_requests),
+            "--skip-server-warmup", "--log-level", "warning"]
+    if cpu:
+        argv += ["--device", "cpu", "--attention-backend", cfg.attention_backend or "torch_native",
+                 "--dtype", cfg.dtype or "float32"]
+    else:
+        argv += ["--attention-backend", cfg.attention_backend or "triton",
+                 "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+        if cfg.dtype:
+            argv += ["--dtype", cfg.dtype]
+        if cfg.device.startswith("cuda:"):
+            argv += ["--base-gpu-id", cfg.device.split(":", 1)[1]]
+    if cfg.weight_cache_socket:
+        argv += ["--weight-cache-mode", "client", "--weight-cache-socket", cfg.weight_cache_socket]
+    return argv + cfg.extra_args
+
+
+def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: SGLang's venv only, plus the CPU stand-ins on CPU."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    if is_cpu(cfg.device):
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["OMP_NUM_THREADS"] = str(cfg.threads)
+        if not _has_kernel_package(cfg.venv):
+            env["PYTHONPATH"] = str(SHIMS_DIR)
+    return env
+
+
+def _has_kernel_package(venv: str | None) -> bool:
+    """True when SGLang's real kernel package is installed in the venv (no stand-ins then)."""
+    lib = venv_dir(venv) / "lib"
+    return any(lib.glob("python3*/site-packages/sgl_kernel/__init__.py"))
