@@ -99,3 +99,97 @@ def _has_kernel_package(venv: str | None) -> bool:
     """True when SGLang's real kernel package is installed in the venv (no stand-ins then)."""
     lib = venv_dir(venv) / "lib"
     return any(lib.glob("python3*/site-packages/sgl_kernel/__init__.py"))
+
+
+class SGLangBackend:
+    """SGLang servers as workers and shadows (``WorkerBackend``), on the arena's weights.
+
+    The slot's arena also serves SGLang's weight-cache protocol (``weight_cache.py``), so a
+    worker and its shadow map one copy of the weights. A shadow is a started, idle SGLang
+    server kept out of the routing table (SGLang has no "do not serve" mode; nothing is
+    routed to it, and it runs no warm-up request). Ready = ``/health`` answers 200 and the
+    arena registered the server (flushed, version set). Promotion = flush its cache and
+    register it again (the version it reports is the arena's).
+    """
+
+    name = "sglang"
+
+    def __init__(self, model: str | None, extra_args: list[str] | None = None, venv: str | None = None) -> None:
+        if model is None:
+            from .model_dir import ensure_embedded_model
+
+            model = str(ensure_embedded_model())
+        self.model = model
+        self.venv = venv
+        self.extra_args = list(extra_args or [])
+        venv_python(venv)  # fail now, naming the set-up script, not after a 3-minute timeout
+        self._arena_of: dict[str, str] = {}  # worker url -> arena socket
+
+    @staticmethod
+    def weight_cache_socket(slot) -> str:
+        return str(Path(slot.run_dir) / f"wcache-{slot.name}.sock")
+
+    def arena_argv(self, slot) -> list[str]:
+        # KV lives inside each SGLang server: the arena keeps only a token KV region.
+        return ["--model-dir", self.model, "--weight-cache-socket", self.weight_cache_socket(slot),
+                "--num-blocks", "1", "--scratch-blocks", "0"]
+
+    def worker_argv(self, slot, spec) -> list[str]:
+        self._arena_of[f"http://{spec.host}:{spec.port}"] = str(slot.arena_socket)
+        argv = ["-m", "belayer_engine.backends.sglang.server", "--model-path", self.model,
+                "--host", spec.host, "--port", str(spec.port), "--device", slot.device,
+                "--weight-cache-socket", self.weight_cache_socket(slot), "--worker-id", spec.worker_id]
+        if self.venv:
+            argv += ["--venv", self.venv]
+        return argv + (["--shadow"] if spec.shadow else []) + self.extra_args
+
+    def worker_env(self, base: dict[str, str]) -> dict[str, str]:
+        return dict(base)  # server.py builds SGLang's own environment before it execs
+
+    async def _register(self, url: str, role: str) -> int:
+        import asyncio
+
+        from belayer_engine.arena.client import ArenaClient
+
+        return await asyncio.to_thread(ArenaClient(self._arena_of[url], timeout=60).register_server, url, role)
+
+    async def ready(self, session, url: str, shadow: bool) -> bool:
+        from belayer_engine.supervisor.processes import http_status
+
+        if (await http_status(session, url + "/health"))[0] != 200:
+            return False
+        await self._register(url, "shadow" if shadow else "worker")
+        return True
+
+    async def promote(self, session, url: str, timeout: float) -> float | None:
+        import time
+
+        from belayer.errors import BelayerError, WorkerLost
+
+        t0 = time.perf_counter()
+        if not await self.flush(session, url, timeout):
+            raise WorkerLost(f"promote: {url}/flush_cache refused")
+        try:
+            await self._register(url, "worker")
+        except BelayerError as exc:
+            raise WorkerLost(f"promote: arena refused {url}: {exc}") from exc
+        return time.perf_counter() - t0
+
+    async def healthy(self, session, url: str, timeout: float) -> bool:
+        import aiohttp
+
+        from belayer_engine.supervisor.processes import http_status
+
+        try:
+            return (await http_status(session, url + "/health", timeout))[0] == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def flush(self, session, url: str, timeout: float) -> bool:
+        import aiohttp
+
+        try:
+            async with session.post(url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False

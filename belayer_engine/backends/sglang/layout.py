@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from belayer.errors import UsageError
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.weights import torch_dtype, weight_specs
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.weights import torch_dtype, weight_specs
 
 VOCAB_PAD = 64
 

@@ -23,8 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from belayer_engine.model_config import ModelConfig
-from belayer_engine.tokenizer import BYTE_SPECIALS
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.tokenizer import BYTE_SPECIALS
 
 FORMAT = 1  # bump when the files written here change
 LM_HEAD_SCALE = 8.0  # logits std ~8 instead of ~1: top-2 gaps far above float noise
@@ -131,7 +131,7 @@ def ensure_embedded_model(seed: int = 0, cfg: ModelConfig | None = None,
 
 
 def _write(path: Path, cfg: ModelConfig, seed: int, files: dict[str, str]) -> None:
-    from belayer_engine.weights import init_weights, save_safetensors_dir
+    from belayer_engine.model.weights import init_weights, save_safetensors_dir
 
     weights = init_weights(cfg, seed)
     if "lm_head.weight" in weights:

@@ -1,0 +1,41 @@
+"""``python -m belayer_engine.backends.sglang.server``: start one SGLang server as a worker.
+
+Runs in the project's interpreter (torch-free, fast) and replaces itself (``execve``)
+with SGLang's ``launch_server`` in SGLang's own venv, so the process the supervisor
+spawned, fences and reaps is the SGLang server itself (same pid, same process group).
+A shadow is the same server: it is kept out of the routing table until promoted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .launcher import SGLangServerConfig, server_argv, server_env
+
+
+def parse(argv: list[str] | None = None) -> SGLangServerConfig:
+    p = argparse.ArgumentParser(prog="python -m belayer_engine.backends.sglang.server", description=__doc__)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--weight-cache-socket", default=None)
+    p.add_argument("--venv", default=None)
+    p.add_argument("--worker-id", default=None, help="for the supervisor's logs only")
+    p.add_argument("--shadow", action="store_true", help="informational: a shadow is a started server")
+    args, extra = p.parse_known_args(argv)
+    return SGLangServerConfig(model_path=args.model_path, host=args.host, port=args.port, device=args.device,
+                              weight_cache_socket=args.weight_cache_socket, venv=args.venv, extra_args=extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(argv)
+    argv_ = server_argv(cfg)
+    os.execve(argv_[0], argv_, server_env(cfg))
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
