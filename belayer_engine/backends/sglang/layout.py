@@ -45,12 +45,11 @@ def plan(cfg: ModelConfig) -> tuple[dict[str, tuple[tuple[int, ...], bool]], dic
     tensors: dict[str, tuple[tuple[int, ...], bool]] = {}
     slots: dict[str, Slot] = {}
 
-    def plain(hf: str, shape: tuple[int, ...], target: str | None = None) -> None:
-        target = target or hf
-        tensors[target] = (shape, True)
-        slots[hf] = Slot(target, 0, shape[0])
+    def plain(hf: str, shape: tuple[int, ...], rows: int | None = None) -> None:
+        tensors[hf] = (shape, True)
+        slots[hf] = Slot(hf, 0, shape[0] if rows is None else rows)
 
-    plain("model.embed_tokens.weight", (vocab, h))
+    plain("model.embed_tokens.weight", (vocab, h), rows=cfg.vocab_size)  # padded rows stay zero
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         plain(p + "input_layernorm.weight", (h,))
@@ -72,7 +71,7 @@ def plan(cfg: ModelConfig) -> tuple[dict[str, tuple[tuple[int, ...], bool]], dic
         tensors[p + "self_attn.rotary_emb.cos_sin_cache"] = ((cfg.max_position_embeddings, d), False)
     plain("model.norm.weight", (h,))
     if not cfg.tie_word_embeddings:
-        plain("lm_head.weight", (vocab, h))
+        plain("lm_head.weight", (vocab, h), rows=cfg.vocab_size)
     assert set(slots) == set(weight_specs(cfg)), "layout out of step with weights.weight_specs"
     return tensors, slots
 
