@@ -109,7 +109,7 @@ async def _stream(base_url: str, max_tokens: int, kill_at: int, pid: int) -> dic
 
 def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
     shadow = mode == "shadow"
-    router = RouterConfig(recovery="token")
+    router = RouterConfig(recovery="token", request_wait_s=900)  # an SGLang cold start is ~1-2 min on 2 loaded cores
     runs, extra = [], {}
     with RecoverableEngine.launch(workers=1, shadow=shadow, device=args.device, model=args.model_dir,
                                   router=router, unhealthy_window_s=0.0, arena_args=args.arena_arg,
@@ -265,6 +265,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", choices=["reference", "sglang"], default="reference")
+    p.add_argument("--modes", default="cold,shadow", help="which of cold,shadow to run (split a long GPU run)")
     p.add_argument("--sglang-venv", default=None)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--arena-arg", action="append", default=[], help="extra arena option (repeatable)")
@@ -285,16 +286,18 @@ def main() -> None:
     rng = random.Random(7)
     result = {"device": args.device, "backend": args.backend, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
               "runs": {}}
-    for mode in ("cold", "shadow"):
+    for mode in args.modes.split(","):
         result["runs"][mode], extra = measure(mode, args, rng)
         result.update({"shadow": extra} if extra else {})
     result["regenerated"] = regenerated(args, rng)
+    modes = list(result["runs"])
     summary = {m: {k: _stats([r[k] for r in result["runs"][m]]) for k in ("kill_to_first_token_s", "detection_s", "supervisor_handover_s", "routed_to_first_token_s")}
-               for m in ("cold", "shadow")}
-    for m in ("cold", "shadow"):
+               for m in modes}
+    for m in modes:
         keys = dict.fromkeys(k for r in result["runs"][m] for k, v in r["breakdown"].items() if isinstance(v, float))
         summary[m]["breakdown_mean"] = {k: _stats([r["breakdown"].get(k) for r in result["runs"][m]]).get("mean") for k in keys}
-    summary["speedup"] = summary["cold"]["kill_to_first_token_s"]["mean"] / summary["shadow"]["kill_to_first_token_s"]["mean"]
+    if {"cold", "shadow"} <= set(modes):
+        summary["speedup"] = summary["cold"]["kill_to_first_token_s"]["mean"] / summary["shadow"]["kill_to_first_token_s"]["mean"]
     summary["regenerated_mean"] = {k: statistics.fmean(v["regenerated"] for v in result["regenerated"][k])
                                    for k in ("token", "chunk") if result["regenerated"][k]}
     result["summary"] = summary
@@ -303,7 +306,8 @@ def main() -> None:
     tag = args.device.replace(":", "") + ("_sglang" if args.backend == "sglang" else "") + args.tag
     (out / f"engine_handover_{tag}.json").write_text(json.dumps(result, indent=2))
     try:
-        plot(result, out / f"engine_handover_{tag}.png")
+        if "speedup" in summary:
+            plot(result, out / f"engine_handover_{tag}.png")
     except ImportError as exc:  # e.g. no matplotlib on the GPU machine: use --plot-only later
         print(f"no plot: {exc}")
     print(json.dumps(summary, indent=2))

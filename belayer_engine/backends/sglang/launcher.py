@@ -87,11 +87,18 @@ def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> d
     env.update(SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
+    # SGLang installed as a folder of unpacked wheels rather than a venv (the GPU bundle of
+    # scripts/build_sglang_gpu_bundle.sh): BELAYER_SGLANG_PYTHONPATH names that folder.
+    paths = [p for p in (env.pop("BELAYER_SGLANG_PYTHONPATH", ""),) if p]
     if is_cpu(cfg.device):
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["OMP_NUM_THREADS"] = str(cfg.threads)
         if not _has_kernel_package(cfg.venv):
-            env["PYTHONPATH"] = str(SHIMS_DIR)
+            paths.insert(0, str(SHIMS_DIR))
+    else:
+        env.setdefault("NCCL_NVLS_ENABLE", "0")  # one GPU per server; NVLink multicast stays off
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 

@@ -92,17 +92,21 @@ class SGLangWeights:
         self.cfg = cfg
         self.dtype = torch_dtype(cfg.dtype)
         self.shapes, self.slots = plan(cfg)
-        numels = {n: _numel(s) for n, (s, _) in self.shapes.items()}
+        # SGLang keeps the rotary cache in float32 on CUDA and in the model's dtype on CPU.
+        rotary_dtype = torch.float32 if torch.device(device).type == "cuda" else self.dtype
+        weights = {n: sh for n, (sh, _) in self.shapes.items() if not n.endswith("cos_sin_cache")}
+        numels = {n: _numel(sh) for n, sh in weights.items()}
         self.flat = torch.zeros(sum(numels.values()), dtype=self.dtype, device=device)
         self.tensors: dict[str, torch.Tensor] = {}
         off = 0
-        for name, (shape, _) in self.shapes.items():
+        for name, shape in weights.items():
             self.tensors[name] = self.flat[off:off + numels[name]].view(shape)
             off += numels[name]
-        cache = rotary_cache(cfg).to(device=device, dtype=self.dtype)
-        for name, t in self.tensors.items():
-            if name.endswith("rotary_emb.cos_sin_cache"):
-                t.copy_(cache)
+        # one rotary cache, as in SGLang (get_rope shares the module across layers)
+        self.rotary = rotary_cache(cfg).to(device=device, dtype=rotary_dtype)
+        for name in self.shapes:
+            if name.endswith("cos_sin_cache"):
+                self.tensors[name] = self.rotary
         if cfg.tie_word_embeddings:  # one parameter under both names, as in SGLang
             self.tensors["lm_head.weight"] = self.tensors["model.embed_tokens.weight"]
 

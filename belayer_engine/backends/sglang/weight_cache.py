@@ -104,11 +104,12 @@ class WeightCacheExport:
         self.weights.write(weights)
         if device.type == "cpu":
             self.weights.flat.share_memory_()
+            self.weights.rotary.share_memory_()
         self.entries = {name: {"handle": _handle(t), "shape": list(t.shape),
                                "dtype": str(t.dtype).removeprefix("torch."),
                                "is_param": self.weights.is_param(name)}
                         for name, t in self.weights.tensors.items()}
-        self.nbytes = self.weights.flat.numel() * self.weights.flat.element_size()
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.weights.flat, self.weights.rotary))
         self.version = 0
         self.lock = threading.Lock()  # one update or registration at a time
         self.servers: dict[str, dict] = {}  # url -> {"role", "pid"}

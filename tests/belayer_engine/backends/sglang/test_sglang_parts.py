@@ -9,9 +9,18 @@ import os
 import torch
 
 from belayer_engine.backends.sglang import shm_files
-from belayer_engine.backends.sglang.launcher import SHIMS_DIR, SGLangServerConfig, server_argv, server_env
+from belayer_engine.backends.sglang.launcher import (
+    SHIMS_DIR,
+    SGLangServerConfig,
+    server_argv,
+    server_env,
+)
 from belayer_engine.backends.sglang.layout import SGLangWeights, padded_vocab, rotary_cache
-from belayer_engine.backends.sglang.model_dir import embedded_config, ensure_embedded_model, tokenizer_json
+from belayer_engine.backends.sglang.model_dir import (
+    embedded_config,
+    ensure_embedded_model,
+    tokenizer_json,
+)
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.tokenizer import ByteTokenizer
 from belayer_engine.model.weights import init_weights
@@ -32,7 +41,8 @@ def test_layout_fuses_projections_and_updates_rows_in_place():
     before = w.flat.data_ptr()
     w.write({p + "k_proj.weight": torch.zeros_like(hf[p + "k_proj.weight"])})
     assert w.flat.data_ptr() == before and not qkv[cfg.num_attention_heads * cfg.head_dim:][:64].any()
-    assert all(t.untyped_storage().data_ptr() == w.flat.untyped_storage().data_ptr() for t in w.tensors.values())
+    storages = {t.untyped_storage().data_ptr() for t in w.tensors.values()}
+    assert storages == {w.flat.untyped_storage().data_ptr(), w.rotary.untyped_storage().data_ptr()}
 
 
 def test_tied_embeddings_are_one_tensor_under_both_names():
