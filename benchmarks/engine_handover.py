@@ -198,10 +198,16 @@ def _gpu_mib() -> dict[int, float]:
     return {int(a): float(b) for a, b in rows}
 
 
+def _tree_gpu(gpu: dict[int, float], pid: int) -> float | None:
+    """GPU MiB of a process and its children (an SGLang server's scheduler holds it)."""
+    used = [gpu[p] for p in _tree(pid) if p in gpu]
+    return sum(used) if used else None
+
+
 def _memory(worker_pid: int, shadow_pid: int) -> dict:
     gpu = _gpu_mib()
     return {"worker_rss_mib": _rss_mib(worker_pid), "shadow_rss_mib": _rss_mib(shadow_pid),
-            "worker_gpu_mib": gpu.get(worker_pid), "shadow_gpu_mib": gpu.get(shadow_pid),
+            "worker_gpu_mib": _tree_gpu(gpu, worker_pid), "shadow_gpu_mib": _tree_gpu(gpu, shadow_pid),
             "worker_tree_mib": _tree_mib(worker_pid), "shadow_tree_mib": _tree_mib(shadow_pid)}
 
 
