@@ -115,8 +115,9 @@ class SGLangBackend:
     worker and its shadow map one copy of the weights. A shadow is a started, idle SGLang
     server kept out of the routing table (SGLang has no "do not serve" mode; nothing is
     routed to it, and it runs no warm-up request). Ready = ``/health`` answers 200 and the
-    arena registered the server (flushed, version set). Promotion = flush its cache and
-    register it again (the version it reports is the arena's).
+    arena registered the server (flushed, version set; every weight update re-syncs it).
+    Promotion = one look at the arena's list: a shadow still registered has nothing to do;
+    one dropped from an update is flushed and registered again first.
     """
 
     name = "sglang"
@@ -174,13 +175,25 @@ class SGLangBackend:
         from belayer.errors import BelayerError, WorkerLost
 
         t0 = time.perf_counter()
-        if not await self.flush(session, url, timeout):
-            raise WorkerLost(f"promote: {url}/flush_cache refused")
         try:
-            await self._register(url, "worker")
+            if not await self._synced(url):  # dropped from an update: flush and re-sync first
+                if not await self.flush(session, url, timeout):
+                    raise WorkerLost(f"promote: {url}/flush_cache refused")
+                await self._register(url, "worker")
         except BelayerError as exc:
             raise WorkerLost(f"promote: arena refused {url}: {exc}") from exc
         return time.perf_counter() - t0
+
+    async def _synced(self, url: str) -> bool:
+        """True while the arena lists the shadow as registered: it then has served nothing,
+        maps the current weights and reports the current version (every update synced it),
+        so promotion has nothing left to do."""
+        import asyncio
+
+        from belayer_engine.arena.client import ArenaClient
+
+        info = await asyncio.to_thread(ArenaClient(self._arena_of[url], timeout=30).describe)
+        return any(s["url"] == url for s in (info.get("weight_cache") or {}).get("servers", []))
 
     async def healthy(self, session, url: str, timeout: float) -> bool:
         import aiohttp

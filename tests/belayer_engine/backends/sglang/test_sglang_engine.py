@@ -81,7 +81,17 @@ def test_openai_sdk_chat_and_completions(engine):
     assert again == ids, "greedy decoding is repeatable"
 
 
-def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine, tmp_path):
+def test_an_error_inside_sglangs_200_stream_is_the_clients_not_a_failover(engine):
+    """SGLang rejects a prompt over its context length with ``data: {"error": ...}`` inside
+    a 200 stream: the client gets a 400 and the worker is not failed over."""
+    pid, seen = engine.worker_pid(0), len(engine.events())
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        _client(engine).completions.create(model="belayer-default", prompt="x" * 3000, max_tokens=4, temperature=0)
+    assert engine.worker_pid(0) == pid
+    assert not [e for e in engine.events()[seen:] if e["event"] == "detected"]
+
+
+def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
     """Update the weights, then SIGKILL the serving SGLang server's process group while three
     greedy streams run: each response equals the fault-free greedy one of the new version."""
     arena = ArenaClient(engine.arena_socket())
