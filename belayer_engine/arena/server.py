@@ -211,7 +211,7 @@ class ArenaServer:
             raise UsageError("this arena serves no weight cache (start it with --weight-cache-socket)")
         with self.update_lock:
             self.export.register(str(msg["url"]), str(msg.get("role", "worker")), int(msg.get("pid", 0)),
-                                 self.version)
+                                 self.version, msg.get("authorization"))
             return {"version": self.version}
 
     def _read_update(self, msg: dict, rfile) -> dict[str, torch.Tensor]:

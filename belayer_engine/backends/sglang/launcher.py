@@ -146,7 +146,8 @@ class SGLangBackend:
         self._arena_of[f"http://{spec.host}:{spec.port}"] = str(slot.arena_socket)
         argv = ["-m", "belayer_engine.backends.sglang.server", "--model-path", self.model,
                 "--host", spec.host, "--port", str(spec.port), "--device", slot.device,
-                "--weight-cache-socket", self.weight_cache_socket(slot), "--worker-id", spec.worker_id]
+                "--weight-cache-socket", self.weight_cache_socket(slot), "--worker-id", spec.worker_id,
+                "--key-dir", str(slot.run_dir)]
         if self.venv:
             argv += ["--venv", self.venv]
         return argv + (["--shadow"] if spec.shadow else []) + self.extra_args
@@ -154,19 +155,22 @@ class SGLangBackend:
     def worker_env(self, base: dict[str, str]) -> dict[str, str]:
         return dict(base)  # server.py builds SGLang's own environment before it execs
 
-    async def _register(self, url: str, role: str) -> int:
+    async def _register(self, session, url: str, role: str) -> int:
+        """The arena pauses, flushes and re-versions the server on every weight update; it
+        gets the worker secret's header for that over its 0600 same-uid socket."""
         import asyncio
 
         from belayer_engine.arena.client import ArenaClient
 
-        return await asyncio.to_thread(ArenaClient(self._arena_of[url], timeout=60).register_server, url, role)
+        client = ArenaClient(self._arena_of[url], timeout=60)
+        return await asyncio.to_thread(client.register_server, url, role, 0, session.headers.get("Authorization"))
 
     async def ready(self, session, url: str, shadow: bool) -> bool:
         from belayer_engine.supervisor.processes import http_status
 
         if (await http_status(session, url + "/health"))[0] != 200:
             return False
-        await self._register(url, "shadow" if shadow else "worker")
+        await self._register(session, url, "shadow" if shadow else "worker")
         return True
 
     async def promote(self, session, url: str, timeout: float) -> float | None:
@@ -179,7 +183,7 @@ class SGLangBackend:
             if not await self._synced(url):  # dropped from an update: flush and re-sync first
                 if not await self.flush(session, url, timeout):
                     raise WorkerLost(f"promote: {url}/flush_cache refused")
-                await self._register(url, "worker")
+                await self._register(session, url, "worker")
         except BelayerError as exc:
             raise WorkerLost(f"promote: arena refused {url}: {exc}") from exc
         return time.perf_counter() - t0

@@ -113,6 +113,7 @@ class WeightCacheExport:
         self.version = 0
         self.lock = threading.Lock()  # one update or registration at a time
         self.servers: dict[str, dict] = {}  # url -> {"role", "pid"}
+        self._auth: dict[str, str] = {}  # url -> Authorization header (the engine's worker secret)
         self.fetches = 0
         self._server: socketserver.ThreadingUnixStreamServer | None = None
 
@@ -165,13 +166,15 @@ class WeightCacheExport:
     # ------------------------------------------------------------------ servers
     def describe(self) -> dict:
         with self.lock:
-            servers = [{"url": u, **info} for u, info in self.servers.items()]
+            servers = [{"url": u, **info} for u, info in self.servers.items()]  # never the header
         return {"socket": self.socket_path, "nbytes": self.nbytes, "fetches": self.fetches,
                 "version": self.version, "servers": servers}
 
     def _post(self, url: str, path: str, body: dict) -> int:
-        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._auth.get(url):
+            headers["Authorization"] = self._auth[url]
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.http_timeout_s) as resp:
                 return resp.status
@@ -188,9 +191,11 @@ class WeightCacheExport:
         if status != 200:
             raise WorkerLost(f"{url}/update_weight_version answered {status}")
 
-    def register(self, url: str, role: str, pid: int, version: int) -> None:
+    def register(self, url: str, role: str, pid: int, version: int, authorization: str | None = None) -> None:
         """A server that maps these weights; synced to ``version`` before it is recorded."""
         with self.lock:
+            if authorization:
+                self._auth[url] = str(authorization)
             try:
                 self._sync(url, version)
             except OSError as exc:
@@ -211,6 +216,7 @@ class WeightCacheExport:
                 except OSError:
                     pass
                 self.servers.pop(url, None)  # dead or dying: the supervisor replaces it
+                self._auth.pop(url, None)
             try:
                 self.weights.write({k: v.to(device=self.device, dtype=self.weights.dtype)
                                     for k, v in tensors.items()})

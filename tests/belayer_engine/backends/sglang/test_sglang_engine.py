@@ -7,10 +7,14 @@ fault-free reference of each prompt is the same engine's own uninterrupted greed
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -32,13 +36,16 @@ START_S = 600.0  # two SGLang servers per slot on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(tmp_path_factory):
     venv = sglang_venv()
     router = RouterConfig(request_wait_s=START_S, stall_timeout_s=60.0)
-    with RecoverableEngine.launch(backend="sglang", sglang_venv=venv, start_timeout_s=START_S,
-                                  router=router) as eng:
-        eng.wait_ready(timeout=START_S)
-        yield eng
+    with pytest.MonkeyPatch.context() as mp:
+        # the arena's region files out of reach of other arenas' orphan reapers on this machine
+        mp.setenv("BELAYER_SHM_DIR", str(tmp_path_factory.mktemp("shm")))
+        with RecoverableEngine.launch(backend="sglang", sglang_venv=venv, start_timeout_s=START_S,
+                                      router=router) as eng:
+            eng.wait_ready(timeout=START_S)
+            yield eng
 
 
 def _client(engine) -> openai.OpenAI:
@@ -81,6 +88,22 @@ def test_openai_sdk_chat_and_completions(engine):
     assert again == ids, "greedy decoding is repeatable"
 
 
+def test_sglang_workers_answer_only_the_engine(engine):
+    """The engine's worker secret reaches SGLang as --api-key (via a 0600 --config file,
+    never argv): a request without it is refused, with it the server answers."""
+    url = engine.status()["slots"]["w0"]["worker_url"]
+    body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code in (401, 403)
+    pid = engine.worker_pid(0)
+    assert "api-key" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    req.headers.update(engine.worker_headers())
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert len(json.load(resp)["output_ids"]) == 2
+
+
 def test_an_error_inside_sglangs_200_stream_is_the_clients_not_a_failover(engine):
     """SGLang rejects a prompt over its context length with ``data: {"error": ...}`` inside
     a 200 stream: the client gets a 400 and the worker is not failed over."""
@@ -118,8 +141,9 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
     for t in threads:
         t.join(START_S)
         assert not t.is_alive(), "every stream finished after the kill"
+    events = [e for e in engine.events() if e["event"] in ("detected", "arena_checked", "handover", "cold_restart")]
     for p, res in zip(PROMPTS, results, strict=True):
-        assert res["ids"] == expected[p], f"{p!r}: continued output differs from the fault-free run"
+        assert res["ids"] == expected[p], f"{p!r}: continued output differs from the fault-free run; {events}"
         assert res["belayer"]["weight_versions"] == [version], "the shadow served the new version only"
     assert sum(r["belayer"]["recoveries"] for r in results) >= 1, "the kill landed mid-stream"
     wait_until(lambda: engine.worker_pid(0) not in (None, old_pid), 60, "the shadow took over")
