@@ -23,6 +23,8 @@ def arena(p: argparse.ArgumentParser) -> None:
                    help="update_weights waits this long for every worker to switch")
     p.add_argument("--lease-wait-s", type=float, default=2.0,
                    help="activation waits this long for the old worker's connection to close")
+    p.add_argument("--weight-cache-socket", default=None,
+                   help="also serve SGLang's weight-cache protocol on this Unix socket")
 
 
 def worker(p: argparse.ArgumentParser) -> None:

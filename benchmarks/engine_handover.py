@@ -7,6 +7,7 @@ regenerated). Writes JSON and a plot to ``benchmarks/results/``.
     python benchmarks/engine_handover.py                 # CPU, embedded small model
     python benchmarks/engine_handover.py --device cuda:0 --arena-arg=--preset --arena-arg=qwen3-4b
     python benchmarks/engine_handover.py --device cuda:0 --model-dir DIR --repeats 4 --regen-repeats 2
+    python benchmarks/engine_handover.py --backend sglang --repeats 2 --regen-repeats 0   # real SGLang servers
 
 Kill-to-first-token is measured from the ``kill()`` call to the arrival at the client of
 the first token produced by the replacement worker (the token at the failure index);
@@ -108,11 +109,11 @@ async def _stream(base_url: str, max_tokens: int, kill_at: int, pid: int) -> dic
 
 def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
     shadow = mode == "shadow"
-    router = RouterConfig(recovery="token")
+    router = RouterConfig(recovery="token", request_wait_s=900)  # an SGLang cold start is ~1-2 min on 2 loaded cores
     runs, extra = [], {}
     with RecoverableEngine.launch(workers=1, shadow=shadow, device=args.device, model=args.model_dir,
                                   router=router, unhealthy_window_s=0.0, arena_args=args.arena_arg,
-                                  start_timeout_s=600) as eng:
+                                  start_timeout_s=600, **_backend(args)) as eng:
         eng.wait_ready(timeout=600)
         asyncio.run(_stream(eng.base_url, 8, 10**9, 0))  # warm-up (nothing killed)
         for _ in range(args.repeats):
@@ -144,6 +145,38 @@ def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
     return runs, extra
 
 
+def _backend(args) -> dict:
+    return {"backend": args.backend, "sglang_venv": args.sglang_venv} if args.backend == "sglang" else {}
+
+
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _tree_mib(pid: int) -> dict:
+    """RSS / PSS / private MiB summed over a process and its children (an SGLang server is
+    three processes: HTTP, scheduler, detokenizer)."""
+    total = {"rss": 0.0, "pss": 0.0, "private": 0.0}
+    for p in _tree(pid):
+        try:
+            lines = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        f = {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in lines)}
+        total["rss"] += f["Rss"]
+        total["pss"] += f["Pss"]
+        total["private"] += f["Private_Clean"] + f["Private_Dirty"]
+    return {k: round(v, 1) for k, v in total.items()}
+
+
 def _rss_mib(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -165,10 +198,17 @@ def _gpu_mib() -> dict[int, float]:
     return {int(a): float(b) for a, b in rows}
 
 
+def _tree_gpu(gpu: dict[int, float], pid: int) -> float | None:
+    """GPU MiB of a process and its children (an SGLang server's scheduler holds it)."""
+    used = [gpu[p] for p in _tree(pid) if p in gpu]
+    return sum(used) if used else None
+
+
 def _memory(worker_pid: int, shadow_pid: int) -> dict:
     gpu = _gpu_mib()
     return {"worker_rss_mib": _rss_mib(worker_pid), "shadow_rss_mib": _rss_mib(shadow_pid),
-            "worker_gpu_mib": gpu.get(worker_pid), "shadow_gpu_mib": gpu.get(shadow_pid)}
+            "worker_gpu_mib": _tree_gpu(gpu, worker_pid), "shadow_gpu_mib": _tree_gpu(gpu, shadow_pid),
+            "worker_tree_mib": _tree_mib(worker_pid), "shadow_tree_mib": _tree_mib(shadow_pid)}
 
 
 def regenerated(args, rng: random.Random) -> dict:
@@ -180,7 +220,8 @@ def regenerated(args, rng: random.Random) -> dict:
         if args.regen_repeats == 0:
             continue
         with RecoverableEngine.launch(workers=1, shadow=True, device=args.device, model=args.model_dir, router=router,
-                                      unhealthy_window_s=0.0, arena_args=args.arena_arg, start_timeout_s=600) as eng:
+                                      unhealthy_window_s=0.0, arena_args=args.arena_arg, start_timeout_s=600,
+                                      **_backend(args)) as eng:
             for _ in range(args.regen_repeats):
                 eng.wait_ready(timeout=600, stable=True)
                 kill_at = rng.randint(args.chunk_tokens // 2, args.regen_tokens - 16)
@@ -229,6 +270,9 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", choices=["reference", "sglang"], default="reference")
+    p.add_argument("--modes", default="cold,shadow", help="which of cold,shadow to run (split a long GPU run)")
+    p.add_argument("--sglang-venv", default=None)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--arena-arg", action="append", default=[], help="extra arena option (repeatable)")
     p.add_argument("--repeats", type=int, default=3)
@@ -246,27 +290,30 @@ def main() -> None:
     args.regen_repeats = args.repeats if args.regen_repeats is None else args.regen_repeats
     _instrument_router()
     rng = random.Random(7)
-    result = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
+    result = {"device": args.device, "backend": args.backend, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
               "runs": {}}
-    for mode in ("cold", "shadow"):
+    for mode in args.modes.split(","):
         result["runs"][mode], extra = measure(mode, args, rng)
         result.update({"shadow": extra} if extra else {})
     result["regenerated"] = regenerated(args, rng)
+    modes = list(result["runs"])
     summary = {m: {k: _stats([r[k] for r in result["runs"][m]]) for k in ("kill_to_first_token_s", "detection_s", "supervisor_handover_s", "routed_to_first_token_s")}
-               for m in ("cold", "shadow")}
-    for m in ("cold", "shadow"):
+               for m in modes}
+    for m in modes:
         keys = dict.fromkeys(k for r in result["runs"][m] for k, v in r["breakdown"].items() if isinstance(v, float))
         summary[m]["breakdown_mean"] = {k: _stats([r["breakdown"].get(k) for r in result["runs"][m]]).get("mean") for k in keys}
-    summary["speedup"] = summary["cold"]["kill_to_first_token_s"]["mean"] / summary["shadow"]["kill_to_first_token_s"]["mean"]
+    if {"cold", "shadow"} <= set(modes):
+        summary["speedup"] = summary["cold"]["kill_to_first_token_s"]["mean"] / summary["shadow"]["kill_to_first_token_s"]["mean"]
     summary["regenerated_mean"] = {k: statistics.fmean(v["regenerated"] for v in result["regenerated"][k])
                                    for k in ("token", "chunk") if result["regenerated"][k]}
     result["summary"] = summary
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = args.device.replace(":", "") + args.tag
+    tag = args.device.replace(":", "") + ("_sglang" if args.backend == "sglang" else "") + args.tag
     (out / f"engine_handover_{tag}.json").write_text(json.dumps(result, indent=2))
     try:
-        plot(result, out / f"engine_handover_{tag}.png")
+        if "speedup" in summary:
+            plot(result, out / f"engine_handover_{tag}.png")
     except ImportError as exc:  # e.g. no matplotlib on the GPU machine: use --plot-only later
         print(f"no plot: {exc}")
     print(json.dumps(summary, indent=2))

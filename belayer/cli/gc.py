@@ -45,6 +45,7 @@ def _end_processes(pids: list[int], timeout: float = 10.0) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from belayer_engine.arena.shm_files import orphaned, reap_orphans
+    from belayer_engine.backends.sglang import shm_files as sglang_shm
     from belayer_engine.owner import orphans
     from belayer_env.docker_api import connect
     from belayer_env.gc import GcReport, list_managed, remove_all
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     engine_procs = orphans()
     ended = [] if args.dry_run else _end_processes([pid for pid, _ in engine_procs])
     arena_files = [str(p) for p in orphaned()] if args.dry_run else reap_orphans()
+    arena_files += [str(p) for p in sglang_shm.orphaned()] if args.dry_run else sglang_shm.reap_orphans()
     client = connect(timeout=DOCKER_TIMEOUT_S)  # every Docker call bounded: a wedged container cannot hang gc
     managed = list_managed(client)
     targets = [c for c in managed if args.all or c.orphaned]

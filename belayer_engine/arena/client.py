@@ -59,6 +59,13 @@ class ArenaClient:
     def checksums(self) -> dict[str, str]:
         return self._call({"op": "checksums"})
 
+    def register_server(self, url: str, role: str, pid: int = 0, authorization: str | None = None) -> int:
+        """Tell a weight-cache arena that the SGLang server at ``url`` maps its weights (it
+        is synced now and on every update, with ``authorization`` as its header); returns
+        the current version."""
+        msg = {"op": "register_server", "url": url, "role": role, "pid": pid, "authorization": authorization}
+        return int(self._call(msg)["version"])
+
     def shutdown(self) -> None:
         self._call({"op": "shutdown"})
 

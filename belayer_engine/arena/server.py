@@ -57,6 +57,7 @@ class ArenaConfig(BaseModel):
     scratch_blocks: int = 8
     ack_timeout_s: float = 30.0  # how long update_weights waits for workers to switch
     lease_wait_s: float = 2.0  # how long a KV-lease request waits for the holder to die
+    weight_cache_socket: str | None = None  # also serve SGLang's weight-cache protocol there
 
 
 @dataclass
@@ -105,6 +106,12 @@ class ArenaServer:
         for name, t in weights.items():
             self.slots[0][name].copy_(t)
         self.regions["w1"].copy_(self.regions["w0"])
+        self.export = None  # SGLang servers map the weights through it (backends/sglang)
+        if cfg.weight_cache_socket:
+            from belayer_engine.backends.sglang.weight_cache import WeightCacheExport
+
+            self.export = WeightCacheExport(self.model, weights, cfg.weight_cache_socket, self.device)
+            self.export.start()
         del weights
         self.version, self.slot = 0, 0
         self.cond = threading.Condition()
@@ -120,7 +127,8 @@ class ArenaServer:
                 "model": self.model.to_dict(), "layout": self.layout, "regions": self.handles,
                 "kv": {"num_blocks": self.cfg.num_blocks, "block_size": self.cfg.block_size,
                        "scratch_blocks": self.cfg.scratch_blocks},
-                "version": self.version, "slot": self.slot}
+                "version": self.version, "slot": self.slot,
+                "weight_cache": self.export.describe() if self.export else None}
 
     def health(self) -> dict:
         device_ok, detail = True, "ok"
@@ -143,7 +151,8 @@ class ArenaServer:
         return {"status": "ok" if device_ok else "unhealthy", "owner_pid": os.getpid(),
                 "device": str(self.device), "device_ok": device_ok, "device_detail": detail,
                 "version": self.version, "uptime_s": time.time() - self.started,
-                "attached": attached}
+                "attached": attached,
+                "weight_cache": self.export.describe() if self.export else None}
 
     def checksums(self) -> dict:
         """sha256 of each weight slot, of the live KV blocks and of the scratch blocks."""
@@ -191,7 +200,19 @@ class ArenaServer:
                 if not self.cond.wait_for(lambda: self._all_on(version), self.cfg.ack_timeout_s):
                     raise WorkerLost(f"version {version} published but not confirmed by "
                                      f"{self._laggards(version)}")
+            if self.export is not None:  # in place, servers paused meanwhile
+                self.export.update(tensors, version)
         return version
+
+    def register_server(self, msg: dict) -> dict:
+        """An SGLang server mapping the weight cache: synced to the current version now,
+        paused and synced on every later update."""
+        if self.export is None:
+            raise UsageError("this arena serves no weight cache (start it with --weight-cache-socket)")
+        with self.update_lock:
+            self.export.register(str(msg["url"]), str(msg.get("role", "worker")), int(msg.get("pid", 0)),
+                                 self.version, msg.get("authorization"))
+            return {"version": self.version}
 
     def _read_update(self, msg: dict, rfile) -> dict[str, torch.Tensor]:
         if "ipc" in msg:  # CUDA tensors of a trainer on this device, by IPC handle
@@ -232,6 +253,8 @@ class ArenaServer:
                     reply = self.checksums()
                 elif op == "update_weights":
                     reply = {"version": self.update_weights(self._read_update(msg, rfile))}
+                elif op == "register_server":
+                    reply = self.register_server(msg)
                 elif op == "shutdown":
                     reply = {"status": "stopping"}  # sent first; the stop starts after the send below
                 else:
@@ -325,6 +348,8 @@ class ArenaServer:
 
     def cleanup(self) -> None:
         Path(self.cfg.socket).unlink(missing_ok=True)
+        if self.export is not None:
+            self.export.close()
         for h in self.handles.values():
             if h["kind"] == "shm":
                 Path(h["path"]).unlink(missing_ok=True)
@@ -337,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = ArenaConfig(socket=args.socket, device=args.device, model_dir=args.model_dir,
                       preset=args.preset, seed=args.seed, num_blocks=args.num_blocks,
                       block_size=args.block_size, scratch_blocks=args.scratch_blocks,
-                      ack_timeout_s=args.ack_timeout_s, lease_wait_s=args.lease_wait_s)
+                      ack_timeout_s=args.ack_timeout_s, lease_wait_s=args.lease_wait_s,
+                      weight_cache_socket=args.weight_cache_socket)
     torch.set_num_threads(1)
     server: ArenaServer | None = None
 

@@ -60,6 +60,11 @@ class Generation:
         }
 
 
+def _version(v):
+    """SGLang reports weight versions as strings ("3"); the reference worker as ints."""
+    return int(v) if isinstance(v, str) and v.isdigit() else v
+
+
 class _Diverged(Exception):
     """A regenerated tail differs from what the client already has.
 
@@ -124,7 +129,7 @@ class Continuation:
                             if chunk.finish and skip:
                                 raise _Diverged()
                         gen.generated.extend(new)
-                        gen.weight_version = chunk.meta.get("weight_version", gen.weight_version)
+                        gen.weight_version = _version(chunk.meta.get("weight_version", gen.weight_version))
                         if gen.weight_version is not None and gen.weight_version not in gen.weight_versions:
                             gen.weight_versions.append(gen.weight_version)
                         if chunk.finish:

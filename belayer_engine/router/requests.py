@@ -137,10 +137,12 @@ class _Common(_Strict):
 
     def sampling(self) -> dict:
         params: dict = {}
-        for key in ("temperature", "top_p", "top_k", "seed", "ignore_eos"):
+        for key in ("temperature", "top_p", "top_k", "ignore_eos"):
             value = getattr(self, key)
             if value is not None:
                 params[key] = value
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed  # SGLang's name (a `seed` there is an error); the reference worker reads both
         if self.stop:
             params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids:

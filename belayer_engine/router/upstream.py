@@ -127,9 +127,13 @@ async def stream_generate(
                 return
             if isinstance(item, Exception):
                 raise item
+            if "error" in item:  # SGLang: an error inside a 200 stream, e.g. a prompt too long
+                err = item["error"] if isinstance(item["error"], dict) else {"message": str(item["error"])}
+                raise _request_error({"message": err.get("message"), "status_code": err.get("code")},
+                                     await _answers_health(session, endpoint, probe_timeout))
             meta = item.get("meta_info") or {}
             ids = list(item.get("output_ids") or [])
-            delta, seen = ids[seen:], max(seen, len(ids))
+            delta, seen = ids[seen:], max(seen, len(ids))  # chunks may skip tokens: diff, never count
             finish = meta.get("finish_reason")
             if finish and finish.get("type") == "abort":
                 raise _request_error(finish, await _answers_health(session, endpoint, probe_timeout))

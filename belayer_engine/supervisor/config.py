@@ -13,7 +13,8 @@ class SupervisorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    backend: Literal["reference"] = Field(default="reference", description="kind of inference worker")
+    backend: Literal["reference", "sglang"] = Field(default="reference", description="kind of inference worker")
+    sglang_venv: str | None = Field(default=None, description="SGLang venv (sglang backend); None = $BELAYER_SGLANG_VENV or /opt/belayer/sglang-venv")
 
     workers: int = Field(default=1, ge=1)
     shadow: bool = True
@@ -39,6 +40,10 @@ class SupervisorConfig(BaseModel):
 
 def make_backend(config: SupervisorConfig):
     """The ``WorkerBackend`` that ``config.backend`` names."""
+    if config.backend == "sglang":
+        from belayer_engine.backends.sglang.launcher import SGLangBackend
+
+        return SGLangBackend(config.model, config.worker_args, config.sglang_venv)
     from belayer_engine.backends.reference.launcher import ReferenceBackend
 
     return ReferenceBackend(config.worker_args)

@@ -1,0 +1,57 @@
+"""``python -m belayer_engine.backends.sglang.server``: start one SGLang server as a worker.
+
+Runs in the project's interpreter (torch-free, fast) and replaces itself (``execve``)
+with SGLang's ``launch_server`` in SGLang's own venv, so the process the supervisor
+spawned, fences and reaps is the SGLang server itself (same pid, same process group).
+A shadow is the same server: it is kept out of the routing table until promoted.
+
+The engine's worker secret (``BELAYER_WORKER_SECRET``, inherited, never on argv) becomes
+SGLang's ``--api-key`` through a 0600 YAML file given with ``--config`` (SGLang merges it
+into its arguments in-process), so ``/proc/PID/cmdline`` never shows it and the server
+answers only the router, the supervisor and the arena.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from belayer_engine import worker_auth
+
+from .launcher import SGLangServerConfig, server_argv, server_env
+
+
+def parse(argv: list[str] | None = None) -> SGLangServerConfig:
+    p = argparse.ArgumentParser(prog="python -m belayer_engine.backends.sglang.server", description=__doc__)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--weight-cache-socket", default=None)
+    p.add_argument("--venv", default=None)
+    p.add_argument("--worker-id", default=None, help="for the supervisor's logs only")
+    p.add_argument("--shadow", action="store_true", help="informational: a shadow is a started server")
+    p.add_argument("--key-dir", default=None, help="where the 0600 api-key file goes (default: $TMPDIR)")
+    args, extra = p.parse_known_args(argv)
+    secret = worker_auth.take_from_env()
+    if secret:
+        fd, path = tempfile.mkstemp(prefix="sglang-key-", suffix=".yaml", dir=args.key_dir)  # mode 0600
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"api-key: {json.dumps(secret)}\n")
+        extra = [*extra, "--config", path]
+    return SGLangServerConfig(model_path=args.model_path, host=args.host, port=args.port, device=args.device,
+                              weight_cache_socket=args.weight_cache_socket, venv=args.venv, extra_args=extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(argv)
+    argv_ = server_argv(cfg)
+    os.execve(argv_[0], argv_, server_env(cfg))
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

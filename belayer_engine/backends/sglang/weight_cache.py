@@ -1,0 +1,238 @@
+"""SGLang's weight-cache protocol, served by the arena: SGLang servers map its weights.
+
+The arena (``--weight-cache-socket PATH``) keeps the model once more in SGLang's layout
+(``layout.py``), in shared memory (CPU: POSIX shared memory through torch's
+``file_system`` sharing strategy; GPU: CUDA IPC), and answers SGLang's own weight-cache
+protocol on a Unix socket (mode 0600, same-uid peers only; ``srt/weight_cache/``):
+4-byte big-endian length + pickle; ``{"type": "fetch_state", "config": ...}`` ->
+``{"status": "ok", "entries": {name: {handle, shape, dtype, is_param}}, "pid": ...}``,
+each handle a base64 ForkingPickler-reduced tensor. SGLang servers started with
+``--weight-cache-mode client --weight-cache-socket`` build their model on the meta device
+and map these tensors: a worker and its shadow hold no copy of the weights.
+
+Servers that map the weights are registered (``register`` op of the arena). A weight
+update then never mixes versions within a step: every registered server is paused with
+``mode=retract`` (running requests go back to its queue, their KV is dropped), the
+tensors are overwritten in place, each server's cache is flushed and its
+``weight_version`` set, then generation continues (retracted requests are recomputed on
+the new weights). The arena's ``update_weights`` returns only after every live server
+confirmed. SGLang's own watchdog kills a client whose owner pid is gone (every 5 s); the
+supervisor's cold path sees the owner die first (the arena is its child).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import socket
+import socketserver
+import struct
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from belayer.errors import UsageError, WorkerLost
+from belayer_engine.model.config import ModelConfig
+
+from .layout import SGLangWeights
+
+MAX_REQUEST = 1 << 20  # a fetch_state request is a small dict
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """fetch_state requests are plain dicts: no class may be loaded from them."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf.extend(chunk)
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> object | None:
+    header = _recv_exact(sock, 4)
+    if header is None:
+        return None
+    (n,) = struct.unpack("!I", header)
+    if n > MAX_REQUEST:
+        raise UsageError(f"weight-cache request of {n} bytes refused")
+    body = _recv_exact(sock, n)
+    return None if body is None else _PlainUnpickler(io.BytesIO(body)).load()
+
+
+def _send_frame(sock: socket.socket, obj: object) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _handle(t: torch.Tensor) -> str:
+    """A tensor as SGLang's ``MultiprocessingSerializer`` writes it (base64 ForkingPickler)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(t)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class WeightCacheExport:
+    """SGLang-layout weights in shared memory, the socket that hands them out, and the
+    registered servers that map them."""
+
+    def __init__(self, model: ModelConfig, weights: dict[str, torch.Tensor], socket_path: str,
+                 device: torch.device, http_timeout_s: float = 30.0):
+        self.socket_path = socket_path
+        self.device = device
+        self.http_timeout_s = http_timeout_s
+        if device.type == "cpu":
+            # file_system: a peer maps the storage by its shm name. The default (file
+            # descriptor passing) only works between a parent and its children.
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        self.weights = SGLangWeights(model, device)
+        self.weights.write(weights)
+        if device.type == "cpu":
+            self.weights.flat.share_memory_()
+            self.weights.rotary.share_memory_()
+        self.entries = {name: {"handle": _handle(t), "shape": list(t.shape),
+                               "dtype": str(t.dtype).removeprefix("torch."),
+                               "is_param": self.weights.is_param(name)}
+                        for name, t in self.weights.tensors.items()}
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.weights.flat, self.weights.rotary))
+        self.version = 0
+        self.lock = threading.Lock()  # one update or registration at a time
+        self.servers: dict[str, dict] = {}  # url -> {"role", "pid"}
+        self._auth: dict[str, str] = {}  # url -> Authorization header (the engine's worker secret)
+        self.fetches = 0
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+
+    # ------------------------------------------------------------------ SGLang's socket
+    def _serve_conn(self, sock: socket.socket) -> None:
+        while (msg := _recv_frame(sock)) is not None:
+            if not isinstance(msg, dict) or msg.get("type") != "fetch_state":
+                _send_frame(sock, {"status": "error", "message": "only fetch_state is served"})
+                continue
+            config = msg.get("config") or {}
+            if config.get("tp_size", 1) != 1 or config.get("pp_size", 1) != 1:
+                _send_frame(sock, {"status": "mismatch", "daemon_config": {"tp_size": 1, "pp_size": 1}})
+                continue
+            self.fetches += 1
+            _send_frame(sock, {"status": "ok", "config": config, "entries": self.entries,
+                               "pid": os.getpid(), "transport_backend": "torch_ipc",
+                               "preloaded_weights_bytes": 0})
+
+    def start(self) -> None:
+        from belayer_engine.arena import protocol as proto
+
+        export = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                if proto.peer_uid(self.request) not in (os.getuid(), 0):
+                    return
+                try:
+                    export._serve_conn(self.request)
+                except (OSError, ValueError, pickle.UnpicklingError, UsageError):
+                    pass  # a broken peer ends only its own connection
+
+        Path(self.socket_path).unlink(missing_ok=True)
+        old = os.umask(0o177)
+        try:
+            self._server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
+        finally:
+            os.umask(old)
+        self._server.daemon_threads = True
+        os.chmod(self.socket_path, 0o600)
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                         name="sglang-weight-cache", daemon=True).start()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        Path(self.socket_path).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ servers
+    def describe(self) -> dict:
+        with self.lock:
+            servers = [{"url": u, **info} for u, info in self.servers.items()]  # never the header
+        return {"socket": self.socket_path, "nbytes": self.nbytes, "fetches": self.fetches,
+                "version": self.version, "servers": servers}
+
+    def _post(self, url: str, path: str, body: dict) -> int:
+        headers = {"Content-Type": "application/json"}
+        if self._auth.get(url):
+            headers["Authorization"] = self._auth[url]
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.http_timeout_s) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    def _sync(self, url: str, version: int) -> None:
+        """Drop the server's cached KV and set its reported version (it is paused or idle)."""
+        status = self._post(url, "/flush_cache", {})
+        if status != 200:
+            raise WorkerLost(f"{url}/flush_cache answered {status}")
+        status = self._post(url, "/update_weight_version",
+                            {"new_version": str(version), "abort_all_requests": False})
+        if status != 200:
+            raise WorkerLost(f"{url}/update_weight_version answered {status}")
+
+    def register(self, url: str, role: str, pid: int, version: int, authorization: str | None = None) -> None:
+        """A server that maps these weights; synced to ``version`` before it is recorded."""
+        with self.lock:
+            if authorization:
+                self._auth[url] = str(authorization)
+            try:
+                self._sync(url, version)
+            except OSError as exc:
+                raise WorkerLost(f"{url} unreachable: {exc}") from exc
+            self.servers[url] = {"role": role, "pid": pid}
+            self.version = version
+
+    def update(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Write HF-named ``tensors`` in place as ``version`` into every registered server."""
+        self.weights.check(tensors)
+        with self.lock:
+            live, failed = [], []
+            for url in list(self.servers):
+                try:
+                    if self._post(url, "/pause_generation", {"mode": "retract"}) == 200:
+                        live.append(url)
+                        continue
+                except OSError:
+                    pass
+                self.servers.pop(url, None)  # dead or dying: the supervisor replaces it
+                self._auth.pop(url, None)
+            try:
+                self.weights.write({k: v.to(device=self.device, dtype=self.weights.dtype)
+                                    for k, v in tensors.items()})
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.version = version
+                for url in live:
+                    try:
+                        self._sync(url, version)
+                    except (OSError, WorkerLost) as exc:
+                        failed.append(f"{url}: {exc}")
+            finally:
+                for url in live:
+                    try:
+                        self._post(url, "/continue_generation", {})
+                    except OSError as exc:
+                        failed.append(f"{url} (continue): {exc}")
+            if failed:
+                raise WorkerLost(f"version {version} written but not confirmed by {failed}")

@@ -1,0 +1,170 @@
+"""RecoverableEngine over real SGLang servers: openai SDK, SIGKILL mid-stream with several
+concurrent greedy streams, a weight update that the shadow serves, arena SIGKILL.
+
+One engine for the module (tests run in file order and build on each other's state). The
+fault-free reference of each prompt is the same engine's own uninterrupted greedy answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from safetensors.torch import load_file
+
+from belayer_engine.arena.client import ArenaClient
+from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
+from belayer_engine.engine import RecoverableEngine
+from belayer_engine.router import RouterConfig
+from tests.conftest import process_alive, wait_until
+
+from .conftest import sglang_venv
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+PROMPTS = ["The rope holds", "Belayer keeps the climber", "A third concurrent stream"]
+MAX_TOKENS = 48
+START_S = 600.0  # two SGLang servers per slot on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    venv = sglang_venv()
+    router = RouterConfig(request_wait_s=START_S, stall_timeout_s=60.0)
+    with pytest.MonkeyPatch.context() as mp:
+        # the arena's region files out of reach of other arenas' orphan reapers on this machine
+        mp.setenv("BELAYER_SHM_DIR", str(tmp_path_factory.mktemp("shm")))
+        with RecoverableEngine.launch(backend="sglang", sglang_venv=venv, start_timeout_s=START_S,
+                                      router=router) as eng:
+            eng.wait_ready(timeout=START_S)
+            yield eng
+
+
+def _client(engine) -> openai.OpenAI:
+    return openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0, timeout=START_S)
+
+
+def _complete(engine, prompt: str) -> tuple[list[int], dict]:
+    out = _client(engine).completions.create(
+        model="belayer-default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = out.choices[0]
+    return list(choice.model_extra["token_ids"]), out.model_extra["belayer"]
+
+
+def _stream(engine, prompt: str, first_token: threading.Event, out: dict) -> None:
+    ids, text, belayer = [], [], None
+    stream = _client(engine).completions.create(
+        model="belayer-default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        extra = chunk.choices[0].model_extra if chunk.choices else {}
+        ids.extend(extra.get("token_ids") or [])
+        text.append(chunk.choices[0].text if chunk.choices else "")
+        if len(ids) >= 4:
+            first_token.set()
+        belayer = chunk.model_extra.get("belayer") or belayer
+    out.update(ids=ids, text="".join(text), belayer=belayer)
+
+
+def test_openai_sdk_chat_and_completions(engine):
+    client = _client(engine)
+    chat = client.chat.completions.create(model="belayer-default", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 8
+    assert chat.model_extra["belayer"]["recoveries"] == 0
+    ids, belayer = _complete(engine, PROMPTS[0])
+    assert len(ids) == MAX_TOKENS and len(set(ids)) > 4, "a random model still emits varied tokens"
+    assert belayer["weight_version"] == ArenaClient(engine.arena_socket()).describe()["version"]
+    again, _ = _complete(engine, PROMPTS[0])
+    assert again == ids, "greedy decoding is repeatable"
+
+
+def test_sglang_workers_answer_only_the_engine(engine):
+    """The engine's worker secret reaches SGLang as --api-key (via a 0600 --config file,
+    never argv): a request without it is refused, with it the server answers."""
+    url = engine.status()["slots"]["w0"]["worker_url"]
+    body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=60)
+    assert refused.value.code in (401, 403)
+    pid = engine.worker_pid(0)
+    assert "api-key" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    req.headers.update(engine.worker_headers())
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert len(json.load(resp)["output_ids"]) == 2
+
+
+def test_an_error_inside_sglangs_200_stream_is_the_clients_not_a_failover(engine):
+    """SGLang rejects a prompt over its context length with ``data: {"error": ...}`` inside
+    a 200 stream: the client gets a 400 and the worker is not failed over."""
+    pid, seen = engine.worker_pid(0), len(engine.events())
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        _client(engine).completions.create(model="belayer-default", prompt="x" * 3000, max_tokens=4, temperature=0)
+    assert engine.worker_pid(0) == pid
+    assert not [e for e in engine.events()[seen:] if e["event"] == "detected"]
+
+
+def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
+    """Update the weights, then SIGKILL the serving SGLang server's process group while three
+    greedy streams run: each response equals the fault-free greedy one of the new version."""
+    arena = ArenaClient(engine.arena_socket())
+    before = {p: _complete(engine, p)[0] for p in PROMPTS}
+    lm_head = load_file(ensure_embedded_model() / "model.safetensors")["lm_head.weight"]
+    version = arena.update_weights({"lm_head.weight": lm_head.flip(0)})  # permuted vocabulary rows
+    expected = {}
+    for p in PROMPTS:
+        expected[p], belayer = _complete(engine, p)
+        assert belayer["weight_version"] == version
+    assert all(expected[p] != before[p] for p in PROMPTS), "the update changed the output"
+
+    engine.wait_ready(timeout=START_S)
+    old_pid = engine.worker_pid(0)
+    started = [threading.Event() for _ in PROMPTS]
+    results = [{} for _ in PROMPTS]
+    threads = [threading.Thread(target=_stream, args=(engine, p, started[i], results[i]))
+               for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for ev in started:
+        assert ev.wait(START_S), "every stream delivered tokens before the kill"
+    os.killpg(old_pid, signal.SIGKILL)  # the whole SGLang server: HTTP, scheduler, detokenizer
+    for t in threads:
+        t.join(START_S)
+        assert not t.is_alive(), "every stream finished after the kill"
+    events = [e for e in engine.events() if e["event"] in ("detected", "arena_checked", "handover", "cold_restart")]
+    for p, res in zip(PROMPTS, results, strict=True):
+        assert res["ids"] == expected[p], f"{p!r}: continued output differs from the fault-free run; {events}"
+        assert res["belayer"]["weight_versions"] == [version], "the shadow served the new version only"
+    assert sum(r["belayer"]["recoveries"] for r in results) >= 1, "the kill landed mid-stream"
+    wait_until(lambda: engine.worker_pid(0) not in (None, old_pid), 60, "the shadow took over")
+    assert not process_alive(old_pid)
+    handover = [e for e in engine.events() if e["event"] == "handover"]
+    assert handover and handover[-1]["path"] == "shadow", handover
+    arena.update_weights({"lm_head.weight": lm_head})  # back to the model's weights
+
+
+def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
+    engine.wait_ready(timeout=START_S)
+    expected, _ = _complete(engine, PROMPTS[1])
+    arena_pid = engine.status()["slots"]["w0"]["arena_pid"]
+    since = time.monotonic()
+    started, res = threading.Event(), {}
+    t = threading.Thread(target=_stream, args=(engine, PROMPTS[1], started, res))
+    t.start()
+    assert started.wait(START_S)
+    os.kill(arena_pid, signal.SIGKILL)
+    engine.wait_event("cold_restart", since, timeout=START_S)
+    t.join(START_S * 2)
+    assert not t.is_alive()
+    assert res["ids"] == expected, "the request completed on the restarted slot, token-identical"
+    assert res["belayer"]["recoveries"] >= 1

@@ -1,0 +1,95 @@
+"""The SGLang backend's parts that need no SGLang server: layout, embedded model, launcher,
+shm reaping. (The servers themselves: ``test_sglang_engine.py``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from belayer_engine.backends.sglang import shm_files
+from belayer_engine.backends.sglang.launcher import (
+    SHIMS_DIR,
+    SGLangServerConfig,
+    server_argv,
+    server_env,
+)
+from belayer_engine.backends.sglang.layout import SGLangWeights, padded_vocab, rotary_cache
+from belayer_engine.backends.sglang.model_dir import (
+    embedded_config,
+    ensure_embedded_model,
+    tokenizer_json,
+)
+from belayer_engine.model.config import ModelConfig
+from belayer_engine.model.tokenizer import ByteTokenizer
+from belayer_engine.model.weights import init_weights
+
+
+def test_layout_fuses_projections_and_updates_rows_in_place():
+    cfg = embedded_config(vocab_size=500)  # padded to 512, as SGLang pads to 64
+    hf = init_weights(cfg, seed=3)
+    w = SGLangWeights(cfg)
+    w.write(hf)
+    qkv = w.tensors["model.layers.1.self_attn.qkv_proj.weight"]
+    p = "model.layers.1.self_attn."
+    assert torch.equal(qkv, torch.cat([hf[p + "q_proj.weight"], hf[p + "k_proj.weight"], hf[p + "v_proj.weight"]]))
+    gate_up = w.tensors["model.layers.0.mlp.gate_up_proj.weight"]
+    assert torch.equal(gate_up[cfg.intermediate_size:], hf["model.layers.0.mlp.up_proj.weight"])
+    assert w.tensors["lm_head.weight"].shape[0] == padded_vocab(cfg) == 512
+    assert torch.equal(w.tensors["model.layers.3.self_attn.rotary_emb.cos_sin_cache"], rotary_cache(cfg))
+    before = w.flat.data_ptr()
+    w.write({p + "k_proj.weight": torch.zeros_like(hf[p + "k_proj.weight"])})
+    assert w.flat.data_ptr() == before and not qkv[cfg.num_attention_heads * cfg.head_dim:][:64].any()
+    storages = {t.untyped_storage().data_ptr() for t in w.tensors.values()}
+    assert storages == {w.flat.untyped_storage().data_ptr(), w.rotary.untyped_storage().data_ptr()}
+
+
+def test_tied_embeddings_are_one_tensor_under_both_names():
+    w = SGLangWeights(ModelConfig())
+    assert w.tensors["lm_head.weight"] is w.tensors["model.embed_tokens.weight"]
+
+
+def test_embedded_model_is_cached_by_content_and_byte_compatible(tmp_path):
+    first = ensure_embedded_model(root=tmp_path)
+    mtime = (first / "model.safetensors").stat().st_mtime_ns
+    assert ensure_embedded_model(root=tmp_path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == mtime, "a cache hit writes nothing"
+    assert ensure_embedded_model(seed=1, root=tmp_path) != first
+    cfg = json.loads((first / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["tie_word_embeddings"] is False
+    assert ModelConfig.from_dir(first) == embedded_config()
+    tok = tokenizer_json()
+    byte = ByteTokenizer()
+    vocab = tok["model"]["vocab"]
+    assert sorted(vocab.values()) == list(range(256)) and tok["model"]["merges"] == []
+    assert {t["content"]: t["id"] for t in tok["added_tokens"]} == byte.special_ids
+
+
+def test_server_command_is_cpu_safe_and_loopback(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    cfg = SGLangServerConfig(model_path="/m", port=30123, venv=str(venv), weight_cache_socket="/s.sock")
+    argv = server_argv(cfg)
+    assert argv[:3] == [str(venv / "bin" / "python"), "-m", "sglang.launch_server"]
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert flags["--host"] == "127.0.0.1" and "--skip-server-warmup" in argv
+    assert argv[argv.index("--weight-cache-mode") + 1] == "client"
+    env = server_env(cfg, base={"PYTHONPATH": "/project", "PATH": "/bin"})
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["PYTHONPATH"] == str(SHIMS_DIR), "only the stand-ins, never the project's path"
+
+
+def test_gc_reaps_sglang_shm_files_nobody_maps():
+    path = shm_files.SHM_DIR / f"sglang_loads_belayertest_{os.getpid()}.shm"
+    held = shm_files.SHM_DIR / f"sglang_loads_belayertest_{os.getpid()}_held.shm"
+    path.write_bytes(b"x")
+    held.write_bytes(b"x")
+    with open(held, "rb"):
+        orphans = shm_files.orphaned()
+        assert path in orphans and held not in orphans
+        assert str(path) in shm_files.reap_orphans()
+    assert not path.exists() and held.exists()
+    held.unlink()
