@@ -6,6 +6,7 @@
 #   BELAYER_PYTHON       python used for the package (default: python3)
 #   BELAYER_BASE_IMAGE   base image tag (default: belayer-base:latest)
 #   BELAYER_SKIP_PIP=1   skip installing the Python package
+#   BELAYER_SKIP_SGLANG=1  skip SGLang's venv (scripts/setup_sglang.sh; the SGLang tests then fail)
 set -euo pipefail
 
 PY=${BELAYER_PYTHON:-python3}
@@ -189,6 +190,13 @@ else
     run_logged "$LOG_DIR/pip-belayer.log" "$PY" -m pip install -q --progress-bar off -e "$ROOT[all,dev]"
     echo "$stamp" >"$LOG_DIR/pip-stamp"
   fi
+fi
+
+# ---------------------------------------------------------------- SGLang (its own venv)
+if [ "${BELAYER_SKIP_SGLANG:-0}" = 1 ]; then
+  step "SGLang"; info "skipped (BELAYER_SKIP_SGLANG=1)"
+else
+  bash "$ROOT/scripts/setup_sglang.sh"
 fi
 
 step "Ready"
