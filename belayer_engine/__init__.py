@@ -6,10 +6,10 @@ import importlib
 
 _LAZY = {
     "ArenaClient": "belayer_engine.arena.client",
-    "ArenaConfig": "belayer_engine.arena.server",
+    "ArenaConfig": "belayer_engine.arena.config",
     "ArenaServer": "belayer_engine.arena.server",
     "ModelConfig": "belayer_engine.model.config",
-    "WorkerConfig": "belayer_engine.backends.reference.worker",
+    "WorkerConfig": "belayer_engine.backends.reference.config",
     "WorkerState": "belayer_engine.backends.reference.state",
     "SamplingParams": "belayer_engine.backends.reference.sampling",
     "apply_chat_template": "belayer_engine.model.chat_template",

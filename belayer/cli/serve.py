@@ -13,9 +13,9 @@ import importlib
 
 # name -> (flags "module:function", runner "module:function", help)
 TARGETS: dict[str, tuple[str, str, str]] = {
-    "arena": ("belayer_engine.cli_args:arena", "belayer_engine.arena.server:run",
+    "arena": ("belayer_engine.arena.config:add_flags", "belayer_engine.arena.server:run",
               "arena server: owns the weights and KV memory of one device"),
-    "worker": ("belayer_engine.cli_args:worker", "belayer_engine.backends.reference.worker:run",
+    "worker": ("belayer_engine.backends.reference.config:add_flags", "belayer_engine.backends.reference.worker:run",
                "reference inference worker (SGLang /generate protocol)"),
 }
 

@@ -29,35 +29,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from belayer.errors import BelayerError, UsageError, WorkerLost
-from belayer_engine import cli_args, owner
+from belayer_engine import owner
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
+from belayer_engine.arena.config import FLAGS, ArenaConfig, add_flags
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights, load_safetensors_dir, torch_dtype
-
-
-class ArenaConfig(BaseModel):
-    """Everything the arena needs; one flag per field on the command line."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    socket: str
-    device: str = "cpu"
-    model_dir: str | None = None  # HF-layout dir (config.json + *.safetensors); else seeded
-    preset: Literal["small", "qwen3-4b"] = "small"
-    seed: int = 0
-    num_blocks: int = 256
-    block_size: int = 16
-    scratch_blocks: int = 8
-    ack_timeout_s: float = 30.0  # how long update_weights waits for workers to switch
-    lease_wait_s: float = 2.0  # how long a KV-lease request waits for the holder to die
-    weight_cache_socket: str | None = None  # also serve SGLang's weight-cache protocol there
 
 
 @dataclass
@@ -355,15 +336,8 @@ class ArenaServer:
                 Path(h["path"]).unlink(missing_ok=True)
 
 
-add_arguments = cli_args.arena
-
-
 def run(args: argparse.Namespace) -> int:
-    cfg = ArenaConfig(socket=args.socket, device=args.device, model_dir=args.model_dir,
-                      preset=args.preset, seed=args.seed, num_blocks=args.num_blocks,
-                      block_size=args.block_size, scratch_blocks=args.scratch_blocks,
-                      ack_timeout_s=args.ack_timeout_s, lease_wait_s=args.lease_wait_s,
-                      weight_cache_socket=args.weight_cache_socket)
+    cfg = FLAGS.build(args)
     torch.set_num_threads(1)
     server: ArenaServer | None = None
 
@@ -386,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m belayer_engine.arena", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
+    add_flags(p)
     return run(p.parse_args(argv))
 
 

@@ -20,9 +20,13 @@ def _parse(argv):
 def test_serve_parsers_and_targets():
     a = _parse(["serve", "arena", "--socket", "/tmp/x.sock", "--num-blocks", "9"])
     assert a.func is serve.run and a.serve_runner == "belayer_engine.arena.server:run"
-    assert a.socket == "/tmp/x.sock" and a.num_blocks == 9 and a.device == "cpu"
-    w = _parse(["serve", "worker", "--arena-socket", "s", "--shadow", "--port", "0"])
-    assert w.shadow and w.port == 0 and w.host == "127.0.0.1"
+    from belayer_engine.arena.config import FLAGS as ARENA_FLAGS
+    from belayer_engine.backends.reference.config import FLAGS as WORKER_FLAGS
+
+    arena = ARENA_FLAGS.build(a)
+    assert arena.socket == "/tmp/x.sock" and arena.num_blocks == 9 and arena.device == "cpu"
+    worker = WORKER_FLAGS.build(_parse(["serve", "worker", "--arena-socket", "s", "--shadow", "--port", "0"]))
+    assert worker.shadow and worker.port == 0 and worker.host == "127.0.0.1"
     assert {"arena", "worker"} <= set(serve.TARGETS)
 
 

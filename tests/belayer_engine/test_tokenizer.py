@@ -40,7 +40,7 @@ def test_fallback_without_tokenizer_json(tmp_path):
 
 def test_importable_without_torch():
     code = ("import sys; import belayer_engine, belayer_engine.model.chat_template, "
-            "belayer_engine.model.tokenizer, belayer_engine.cli_args; "
+            "belayer_engine.model.tokenizer, belayer_engine.arena.config, belayer_engine.backends.reference.config; "
             "belayer_engine.apply_chat_template([]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

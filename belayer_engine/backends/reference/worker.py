@@ -20,25 +20,11 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from belayer.errors import ArenaLost, BelayerError, UsageError
-from belayer_engine import cli_args, owner, worker_auth
+from belayer_engine import owner, worker_auth
+from belayer_engine.backends.reference.config import FLAGS, WorkerConfig, add_flags
 from belayer_engine.backends.reference.sampling import SamplingParams
 from belayer_engine.backends.reference.scheduler import Request
 from belayer_engine.backends.reference.state import WorkerState
-
-
-class WorkerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    arena_socket: str
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=0, le=65535)
-    shadow: bool = False
-    worker_id: str = Field(default_factory=lambda: f"w-{os.getpid()}")
-    threads: int = 1  # fixed intra-op threads: part of what makes CPU greedy output exact
-    hang_timeout_s: float = Field(60.0, gt=0, description="/health fails once one scheduler step takes longer")
-    max_running: int = Field(32, ge=1)
-    max_prefill_tokens: int = Field(1024, ge=1)
-    tokenizer_dir: str | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -268,12 +254,8 @@ class WorkerApp:
                                   "arena_ok": rt.arena_ok})
 
 
-add_arguments = cli_args.worker
-
-
 def run(args: argparse.Namespace) -> int:
-    fields = {k: v for k, v in vars(args).items() if k in WorkerConfig.model_fields and v is not None}
-    cfg = WorkerConfig(**fields)
+    cfg = FLAGS.build(args)
     owner.watch_owner(lambda: os._exit(1), death_signal=signal.SIGKILL)  # never outlive the engine
     secret = worker_auth.take_from_env()
     if secret is None:
@@ -303,7 +285,7 @@ async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m belayer_engine.backends.reference.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
+    add_flags(p)
     try:
         return run(p.parse_args(argv))
     except KeyboardInterrupt:

@@ -1,0 +1,36 @@
+"""The arena's configuration, torch-free: ``belayer serve arena`` and ``python -m
+belayer_engine.arena`` derive their flags from it (``belayer.config_flags``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from belayer.config_flags import ConfigFlags
+
+
+class ArenaConfig(BaseModel):
+    """Everything the arena needs; one flag per field on the command line."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    socket: str = Field(description="Unix socket path of the control channel")
+    device: str = Field("cpu", description="cpu or cuda:N")
+    model_dir: str | None = Field(None, description="HF-layout dir (config.json + *.safetensors); default: seeded weights")
+    preset: Literal["small", "qwen3-4b"] = Field("small", description="shape of seeded weights when --model-dir is not given")
+    seed: int = Field(0, description="seed of the generated weights")
+    num_blocks: int = Field(256, ge=1, description="KV blocks in the live arena")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    scratch_blocks: int = Field(8, ge=1, description="KV blocks for shadows")
+    ack_timeout_s: float = Field(30.0, gt=0, description="update_weights waits this long for every worker to switch")
+    lease_wait_s: float = Field(2.0, gt=0, description="activation waits this long for the old worker's connection to close")
+    weight_cache_socket: str | None = Field(None, description="also serve SGLang's weight-cache protocol on this Unix socket")
+
+
+FLAGS = ConfigFlags(ArenaConfig)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    FLAGS.add_to(parser)
