@@ -32,6 +32,19 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
         self.checkpointer.store = ReplicatedCheckpointStore(
             self.checkpointer.directory, self.replica, keep=None, episode=self._episode_record)
 
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        old = self.name
+        out = super().reset(seed=seed, options=options)
+        if old:  # the previous episode's replicas (one a cancelled capture still committed, too)
+            self.replica.remove_sandbox(old)
+        return out
+
+    def close(self) -> None:
+        """``RecoverableSandboxEnv.close`` + every replica of this episode's sandbox."""
+        super().close()
+        if self.name:
+            self.replica.remove_sandbox(self.name)
+
     def _episode_record(self, step: int) -> dict[str, Any]:
         """What a resume of boundary ``step`` needs besides the checkpoint itself."""
         steps = self.trajectory.steps[:step]
