@@ -66,6 +66,35 @@ def test_vector_env_steps_in_parallel_and_autoresets(ray_cluster, tmp_path):
         envs.close()
 
 
+def test_pool_reads_episodes_lazily_and_bounds_concurrency(ray_cluster, tmp_path):
+    lock, state, yielded = threading.Lock(), {"pulled": 0, "running": 0, "peak": 0}, []
+
+    def episodes():
+        for i in range(5):
+            with lock:  # taken only when a slot is free: never more than 2 ahead of the results
+                assert state["pulled"] - len(yielded) < 2, (state, len(yielded))
+                state["pulled"] += 1
+            yield {"task": f"lazy-{i}"}
+
+    def agent(env, episode):
+        with lock:
+            state["running"] += 1
+            state["peak"] = max(state["peak"], state["running"])
+        try:
+            env.reset(options=episode)
+            return env.step(f"echo {episode['task']}")[0]
+        finally:
+            with lock:
+                state["running"] -= 1
+
+    with EpisodePool(config(tmp_path, policy="never"), max_concurrent=2) as pool:
+        for r in pool.run(episodes(), agent):
+            assert r.error is None and r.value.endswith(f"{r.episode['task']}\n</output>"), r
+            yielded.append(r)
+        assert len(pool.envs) == 2, "the pool did not reuse its env actors"
+    assert len(yielded) == 5 and state["peak"] <= 2, state
+
+
 def test_node_loss_mid_episode_resumes_from_replicated_checkpoints(ray_cluster, tmp_path, docker_client):
     cluster, nodes = ray_cluster
     paused = threading.Semaphore(0)
