@@ -50,6 +50,10 @@ class SandboxEnvActor:
     def trajectory(self) -> dict[str, Any]:
         return self.env.trajectory.model_dump(mode="json")
 
+    def checkpoint_stats(self) -> list[dict[str, Any]]:
+        """Every replicated checkpoint of this actor: id, bytes, upload seconds (measurements)."""
+        return [{"id": i, "bytes": b, "upload_s": t} for i, b, t in self.env.checkpointer.store.uploads]
+
     def close(self) -> None:
         self.env.close()
 

@@ -76,6 +76,10 @@ class RemoteSandboxEnv(gym.Env[str, str]):
         """The env's trajectory record (committed steps and labelled infra events)."""
         return self._call("trajectory")
 
+    def checkpoint_stats(self) -> list[dict[str, Any]]:
+        """The current actor's replicated checkpoints (id, bytes, upload seconds)."""
+        return self._call("checkpoint_stats")
+
     def close(self) -> None:
         """Close the env on its node (its sandbox and checkpoints go) and end the actor."""
         if self.actor is not None:
