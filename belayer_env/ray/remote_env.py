@@ -50,7 +50,7 @@ class RemoteSandboxEnv(gym.Env[str, str]):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         super().reset(seed=seed)
         self.options = dict(options or {})
-        self.step_count, self.resume_point = 0, None
+        self.step_count = 0
         for _ in range(self.config.max_failovers + 1):
             self.start()
             try:  # nothing is committed yet: a lost node means starting the reset again
@@ -59,6 +59,8 @@ class RemoteSandboxEnv(gym.Env[str, str]):
                 return obs, info
             except _ActorLost as lost:
                 self._forget(lost)
+                self._drop_replicas()  # the previous episode's, left by the lost actor
+                self.resume_point = None
         raise NodeLost(f"reset lost its node {self.config.max_failovers + 1} times in a row")
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
@@ -83,12 +85,23 @@ class RemoteSandboxEnv(gym.Env[str, str]):
     def close(self) -> None:
         """Close the env on its node (its sandbox and checkpoints go) and end the actor."""
         if self.actor is not None:
-            with contextlib.suppress(_ActorLost, InfraError):
+            try:
                 self._call("close", timeout=120)
+            except (_ActorLost, InfraError):
+                self._drop_replicas()  # the actor went with its node: nobody else will
             with contextlib.suppress(Exception):
                 ray.kill(self.actor, no_restart=True)
         self.actor = None
         super().close()
+
+    def _drop_replicas(self) -> None:
+        if self.resume_point is None:
+            return
+        from belayer_env.checkpoint.replica import ReplicaLocation
+
+        with contextlib.suppress(Exception):  # best effort: a later close or gc gets another chance
+            ReplicaLocation(self.config.replica_url, **self.config.replica_options).remove_sandbox(
+                self.resume_point["sandbox"])
 
     # ------------------------------------------------------------------ failover
 
@@ -99,6 +112,8 @@ class RemoteSandboxEnv(gym.Env[str, str]):
             try:
                 self.where = self._get(self.actor.where.remote(), self.config.start_timeout_s, "start")
             except _ActorLost as lost:
+                with contextlib.suppress(Exception):  # e.g. still waiting for a slot: give it up
+                    ray.kill(self.actor, no_restart=True)
                 self.actor = None
                 raise NodeLost(f"an env actor could not start: {lost.cause}") from lost.cause
 
