@@ -47,6 +47,37 @@ def cluster():
         c.shutdown()
 
 
+def test_worker_death_hands_over_on_its_node(cluster):
+    """A worker killed on a live node: its slot's shadow takes over there (no re-placement)."""
+    import openai
+    import ray
+
+    from belayer_engine.ray import RayEngine, RayEngineConfig
+
+    with RayEngine.launch(RayEngineConfig(slots=1)) as engine:
+        client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": PROMPT}]
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        want = client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body=extra).choices[0].model_extra["token_ids"]
+        where = engine.status()["slots"]["r0"]["where"]
+        status = ray.get(engine.slot_actor("r0").status.remote(), timeout=60)["slots"]["w0"]
+        t0, ids, summary, killed = time.monotonic(), [], None, False
+        for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS,
+                                                    temperature=0, stream=True, extra_body=extra):
+            summary = (chunk.model_extra or {}).get("belayer") or summary
+            for choice in chunk.choices:
+                ids += (choice.model_extra or {}).get("token_ids", [])
+            if len(ids) >= 10 and not killed:
+                os.kill(status["worker_pid"], signal.SIGKILL)
+                killed = True
+        assert ids == want and summary["recoveries"] >= 1, summary
+        routed = wait_until(lambda: next((e for e in engine.events if e["event"] == "routed" and e["t"] >= t0), None),
+                            60, "the shadow routed")
+        assert routed["pid"] == status["shadow_pid"], (routed, status)
+        assert engine.status()["slots"]["r0"]["where"] == where and engine.slots["r0"]["starts"] == 1
+
+
 def test_node_loss_mid_stream_token_identical_and_slot_replaced(cluster):
     import openai
     import ray
