@@ -11,6 +11,7 @@ same ``info["belayer"]["rollback"]`` keys. Nothing here imports Ray.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -74,6 +75,9 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
         self._done = True
         restored = self._restore_replica(checkpoint_id, at_step) if checkpoint_id else None
         if restored is None:  # boundary 0: the task from scratch, under a new name
+            if checkpoint_id:  # the lost sandbox's replicas are of no use any more
+                with contextlib.suppress(Exception):
+                    self.replica.remove_sandbox(checkpoint_id.rsplit(".", 2)[0])
             failed = self.trajectory.events
             obs, _ = self.reset(options=options)
             self.trajectory.events[:0] = failed  # why the replica was not used
