@@ -132,3 +132,22 @@ def test_episode_resumes_on_another_env_prefix_consistent(make_resumable, docker
     stale = [r.id for r in ReplicaLocation(replica_url).list() if r.sandbox == env_b.name and r.step < 4]
     assert stale == [], "replicas older than the resume point were left behind"
     assert json.loads((Path(replica_url[7:]) / env_b.name / point["id"] / EPISODE).read_text())["task"] == "count"
+
+
+def test_clean_incomplete_reaps_only_uploads_without_a_marker(make_sandbox, tmp_path, replica_url):
+    import os
+    import time
+
+    store = ReplicatedCheckpointStore(tmp_path / "node-a", replica_url, keep=None)
+    sb = make_sandbox()
+    ck = full_checkpoint(sb, store, step=1)
+    loc = ReplicaLocation(replica_url)
+    orphan = tmp_path / "shared" / sb.name / f"{sb.name}.000002.deadbeef"  # a writer died mid-upload
+    orphan.mkdir()
+    (orphan / "layer.tar").write_bytes(b"partial")
+    assert loc.clean_incomplete(older_than_s=3600) == [], "a fresh upload may still be running"
+    old = time.time() - 7200
+    os.utime(orphan, (old, old))
+    assert loc.clean_incomplete(older_than_s=3600) == [str(orphan)]
+    assert not orphan.exists() and [r.id for r in loc.list()] == [ck.id]
+    assert loc.fetch(ck.id, CheckpointStore(tmp_path / "node-b")).step == 1
