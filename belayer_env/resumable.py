@@ -15,7 +15,8 @@ import contextlib
 import time
 from typing import Any
 
-from belayer.errors import CheckpointNotFound, InfraError, NodeLost, UsageError
+from belayer.errors import CheckpointNotFound, InfraError, NodeLost
+from belayer_env.checkpoint import full_restore
 from belayer_env.checkpoint.replica import ReplicaLocation, ReplicatedCheckpointStore
 from belayer_env.env import EnvConfig, RecoverableSandboxEnv
 from belayer_env.trajectory import InfraEvent, StepRecord, Trajectory
@@ -27,11 +28,11 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
     def __init__(self, config: EnvConfig | None = None, *, replica_url: str,
                  replica_options: dict[str, Any] | None = None, **kwargs: Any):
         super().__init__(config, **kwargs)
-        if self.checkpointer.store is None:
-            raise UsageError("ResumableSandboxEnv needs the checkpoint mechanism (belayer_env.checkpoint)")
         self.replica = ReplicaLocation(replica_url, **(replica_options or {}))
+        local = self.checkpointer.store
         self.checkpointer.store = ReplicatedCheckpointStore(
-            self.checkpointer.directory, self.replica, keep=None, episode=self._episode_record)
+            local.path, self.replica, keep=None,
+            max_layer_bytes=local.max_layer_bytes, episode=self._episode_record)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         old = self.name
@@ -112,9 +113,8 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
                     ck = self.replica.fetch(rep.id, self.checkpointer.store)
                     self.name = ck.sandbox
                     self._episode_config = ck.config
-                    sandbox = self.checkpointer.api.full_restore(
-                        ck, allow_degraded=self.config.allow_degraded, client=self.client,
-                        phase_hook=self.checkpointer.phase_hook)
+                    sandbox = full_restore(ck, allow_degraded=self.config.allow_degraded, client=self.client,
+                                           phase_hook=self.checkpointer.hooks)
                 except CheckpointNotFound as e:  # corrupt or gone: an older one
                     self._record("restore_failed", at_step=at_step, error=e, to_step=rep.step)
                     break

@@ -277,8 +277,8 @@ class ReplicatedCheckpointStore(CheckpointStore):
 
     def __init__(self, path: str | os.PathLike[str] | None, replica: ReplicaLocation | str, *,
                  keep: int | None = 3, scratch: str | os.PathLike[str] | None = None,
-                 episode: Callable[[int], dict[str, Any]] | None = None):
-        super().__init__(path, keep=keep, scratch=scratch)
+                 episode: Callable[[int], dict[str, Any]] | None = None, **store_options: Any):
+        super().__init__(path, keep=keep, scratch=scratch, **store_options)
         self.replica = replica if isinstance(replica, ReplicaLocation) else ReplicaLocation(replica)
         self.episode = episode
         self.uploads: list[tuple[str, int, float]] = []
