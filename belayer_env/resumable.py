@@ -41,6 +41,15 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
             self.replica.remove_sandbox(old)
         return out
 
+    def step_command(self, action: str, **kwargs: Any) -> tuple[str, float, bool, bool, dict]:
+        out = super().step_command(action, **kwargs)
+        rollback = out[4]["belayer"].get("rollback")
+        if rollback is not None:  # a local recovery abandoned steps > j: so are their replicas
+            for rep in self.replica.list(self.name):
+                if rep.step > rollback["to_step"]:
+                    self.replica.remove(rep.id)
+        return out
+
     def close(self) -> None:
         """``RecoverableSandboxEnv.close`` + every replica of this episode's sandbox."""
         super().close()
@@ -103,7 +112,12 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
         except CheckpointNotFound as e:
             self._record("restore_failed", at_step=at_step, error=e)
             return None
-        older = [r for r in self.replica.list(first.sandbox) if r.step < first.step]
+        try:  # an older replica is used only if its episode is a prefix of this one's
+            prefix = (self.replica.episode(first.id) or {}).get("steps")
+        except Exception:  # noqa: BLE001 - unreadable: no fallback can be checked against it
+            prefix = None
+        older = [r for r in self.replica.list(first.sandbox)
+                 if r.step < first.step and prefix and self._same_prefix(r.id, prefix)]
         for rep in [first, *reversed(older)]:
             for _ in range(self.config.recovery_attempts):
                 try:
@@ -124,6 +138,13 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
                 self._adopt(sandbox, ck, episode)
                 return ck, episode
         return None
+
+    def _same_prefix(self, checkpoint_id: str, steps: list[dict[str, Any]]) -> bool:
+        try:
+            theirs = (self.replica.episode(checkpoint_id) or {}).get("steps") or []
+        except Exception:  # noqa: BLE001 - unreadable: not usable
+            return False
+        return bool(theirs) and theirs == steps[: len(theirs)]
 
     def _adopt(self, sandbox: Any, ck: Any, episode: dict[str, Any]) -> None:
         steps = [StepRecord(**s) for s in episode["steps"]]

@@ -161,8 +161,10 @@ class RemoteSandboxEnv(gym.Env[str, str]):
             raise _ActorLost(InfraError(f"env actor gave no answer to {what} within {timeout:g} s")) from e
 
 
-class _ActorLost(Exception):
-    """The actor (its process or its node) is gone; ``cause`` says how Ray saw it."""
+class _ActorLost(NodeLost):
+    """The actor (its process or its node) is gone; ``cause`` says how Ray saw it.
+
+    Handled inside this module; one that escapes (e.g. from ``trajectory()``) is a ``NodeLost``."""
 
     def __init__(self, cause: BaseException):
         super().__init__(str(cause))

@@ -151,3 +151,20 @@ def test_clean_incomplete_reaps_only_uploads_without_a_marker(make_sandbox, tmp_
     assert loc.clean_incomplete(older_than_s=3600) == [str(orphan)]
     assert not orphan.exists() and [r.id for r in loc.list()] == [ck.id]
     assert loc.fetch(ck.id, CheckpointStore(tmp_path / "node-b")).step == 1
+
+
+def test_local_rollback_keeps_replicas_equal_to_the_ready_branch(make_resumable, docker_client, replica_url):
+    env = make_resumable(checkpoint_policy=AlwaysPolicy(), replica_url=replica_url)
+    env.reset(options={"task": "t"})
+    for i in range(1, 4):
+        env.settle()
+        env.step(f"echo {i} >> /tmp/log")
+    env.settle()
+    kill_container(docker_client, env.sandbox.container_id)  # a local failure, the node lives
+    obs, _, _, _, info = env.step("echo 4 >> /tmp/log")
+    j = info["belayer"]["rollback"]["to_step"]
+    assert j == 3 and info["belayer"]["rollback"]["reason"] == "SandboxLost", info
+    replicas = [r.id for r in ReplicaLocation(replica_url).list(env.name)]
+    assert replicas == [c.id for c in env.checkpointer.ready] and all(
+        c.step <= j for c in env.checkpointer.ready), (replicas, env.checkpointer.ready)
+    assert env.step("cat /tmp/log")[0].endswith("1\n2\n3\n</output>")
