@@ -5,9 +5,9 @@ declares ``{"belayer_sandbox": N}``), checkpoints replicated to a shared directo
 (``file://``), policy ``always`` (a capture after every step whose predecessor is done: the
 heaviest setting). Each of N concurrent episodes runs a repo-editing agent loop with a
 fixed think time (the LLM's generation bubble, slept on the driver). Per size it reports:
-aggregate committed steps/s, step latency, checkpoints replicated (count, bytes, upload
+aggregate committed steps/s (counted once all N episodes are reset), step latency, checkpoints replicated (count, bytes, upload
 time), peak memory of the sandboxes (cgroup) and of the env actor processes, host CPU
-load; and once, at the smallest size, what one node loss costs (the episode's actor is
+load; and once, before the sizes, what one node loss costs (the episode's actor is
 killed: time to continue from the replica, bytes fetched).
 
     python benchmarks/scale_bench.py                     # sizes 1 2 4 8 16
@@ -104,11 +104,12 @@ def run_size(n: int, steps: int, think_s: float, replica: str, client) -> dict:
     latencies: list[float] = []
     lock = threading.Lock()
     window: dict[str, float] = {}
+    together = threading.Barrier(n, timeout=600)  # measure only while all n step concurrently
 
     def agent(env, episode):
         env.reset(options=episode)
-        with lock:
-            window.setdefault("start", time.monotonic())
+        if together.wait() == 0:
+            window["start"] = time.monotonic()
         k = 0
         while k < steps:
             time.sleep(think_s)  # the LLM writes the next action (the capture runs meanwhile)
@@ -145,7 +146,7 @@ def run_size(n: int, steps: int, think_s: float, replica: str, client) -> dict:
         "peak_actor_rss_bytes": sampler.peak_actors,
         "memory_per_sandbox_bytes": (sampler.peak_containers + sampler.peak_actors) / n,
         "load_avg_mean": statistics.mean(sampler.loads) if sampler.loads else os.getloadavg()[0],
-        "first_episode_ready_s": starts,  # pool start -> first reset done (actor, container, setup)
+        "all_episodes_ready_s": starts,  # pool start -> every reset done (actors, containers, setup)
     }
 
 
