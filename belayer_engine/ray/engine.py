@@ -26,6 +26,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from belayer.errors import WorkerLost
+from belayer_engine import worker_auth
 from belayer_engine.ray.slot_actor import EngineSlotActor
 from belayer_engine.router import Router, RouterConfig
 from belayer_engine.routing import Endpoint, RoutingTable
@@ -55,6 +56,11 @@ class RayEngine:
 
     def __init__(self, config: RayEngineConfig | None = None):
         config = config or RayEngineConfig()
+        # one random secret per engine: every slot's workers answer only this router and
+        # their own supervisor (it travels to the slot actors as an argument, inside Ray)
+        self._worker_secret = worker_auth.new_secret()
+        config = config.model_copy(update={"router": config.router.model_copy(
+            update={"worker_api_key": self._worker_secret})})
         if config.router.tokenizer is None and config.supervisor.model:
             config = config.model_copy(update={"router": config.router.model_copy(
                 update={"tokenizer": config.supervisor.model})})
@@ -154,7 +160,7 @@ class RayEngine:
         cls = ray.remote(EngineSlotActor).options(
             **options, max_restarts=0, max_task_retries=0, max_concurrency=8,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
-        state["actor"] = cls.remote(self.config.supervisor, self.config.bind_node_ip)
+        state["actor"] = cls.remote(self.config.supervisor, self.config.bind_node_ip, self._worker_secret)
         state["starts"] += 1
         state["where"] = await state["actor"].where.remote()
         self._event(name, "slot_placed", where=state["where"])

@@ -25,7 +25,7 @@ POLL_S = 0.02
 
 
 class EngineSlotActor:
-    def __init__(self, config: SupervisorConfig, bind_node_ip: bool = True):
+    def __init__(self, config: SupervisorConfig, bind_node_ip: bool = True, worker_secret: str | None = None):
         import ray
 
         if config.workers != 1:
@@ -33,6 +33,7 @@ class EngineSlotActor:
         if bind_node_ip:  # the router runs elsewhere: the worker must listen on the node's address
             config = config.model_copy(update={"host": ray.util.get_node_ip_address()})
         self.config = config
+        self.worker_secret = worker_secret  # the driver's router holds the same one
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="belayer-slot", daemon=True)
         self._thread.start()
@@ -49,7 +50,7 @@ class EngineSlotActor:
         """Start arena, worker and shadow; return the serving endpoint once it is ready."""
         async def _start() -> None:
             self.table = RoutingTable()
-            self.supervisor = Supervisor(self.config, self.table)
+            self.supervisor = Supervisor(self.config, self.table, self.worker_secret)
             await self.supervisor.start()
             await self.supervisor.wait_ready(self.config.start_timeout_s)
 
