@@ -50,6 +50,10 @@ class SandboxLost(InfraError):
     """The sandbox container died, was removed, was OOM-killed, or its exec transport broke."""
 
 
+class NodeLost(SandboxLost):
+    """The machine (Ray node) that ran a sandbox is gone, and with it the sandbox and its local state."""
+
+
 class CheckpointFailed(InfraError):
     """A checkpoint could not be completed; nothing was published and older ones are intact."""
 
@@ -96,6 +100,7 @@ __all__ = [
     "DeviceUnhealthy",
     "InfraError",
     "InvalidAction",
+    "NodeLost",
     "RequestFailed",
     "RestoreFailed",
     "SandboxLost",

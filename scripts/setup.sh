@@ -187,7 +187,7 @@ else
     info "belayer installed from $ROOT (pyproject unchanged)"
   else
     info "pip install -e $ROOT[all,dev]"
-    run_logged "$LOG_DIR/pip-belayer.log" "$PY" -m pip install -q --progress-bar off -e "$ROOT[all,dev]"
+    run_logged "$LOG_DIR/pip-belayer.log" "$PY" -m pip install -q --progress-bar off -e "$ROOT[all,dev,ray]"
     echo "$stamp" >"$LOG_DIR/pip-stamp"
   fi
 fi
