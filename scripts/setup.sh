@@ -186,7 +186,7 @@ else
       && (cd / && "$PY" -c "import belayer.wrappers, belayer.examples, belayer_env, belayer_engine") 2>/dev/null; then
     info "belayer installed from $ROOT (pyproject unchanged)"
   else
-    info "pip install -e $ROOT[all,dev]"
+    info "pip install -e $ROOT[all,dev,ray]"
     run_logged "$LOG_DIR/pip-belayer.log" "$PY" -m pip install -q --progress-bar off -e "$ROOT[all,dev,ray]"
     echo "$stamp" >"$LOG_DIR/pip-stamp"
   fi
