@@ -29,7 +29,7 @@ from tests.conftest import process_alive, wait_until
 
 HUNG_TIMEOUT_S = 10.0
 """Dump timeout of the hung-dump test: it must outlast runc + CRIU reaching the hold even
-under heavy load (measured: ~0.3 s idle, a few s at load 16 on 2 cores)."""
+under heavy load (measured 0.4 s from the checkpoint call to the hold at load 18 on 2 cores)."""
 
 KILL_AT = """
 import os, signal, sys
