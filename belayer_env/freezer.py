@@ -5,6 +5,10 @@ Docker pauses a container through this cgroup. When an exec races a pause, the e
 Docker then answers nothing about that container (inspect, unpause, kill all hang) while
 the cgroup stays FROZEN. Writing THAWED (v1) / 0 (v2) to the cgroup is what Docker's
 unpause would have done; it lets the stuck exec finish and Docker answer again.
+
+The other way round: CRIU thaws the cgroup once it has seized the processes and freezes it
+again at the end of its dump, so a CRIU killed in between leaves a container Docker holds
+paused running; Docker's unpause then fails ("container not paused") until it is frozen again.
 """
 
 from __future__ import annotations
@@ -61,6 +65,36 @@ def thaw(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
         except OSError:
             return False
         if not is_frozen(container_id):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _fully_frozen(path: Path) -> bool:
+    """Frozen in fact, not only asked to be (v2: ``cgroup.events`` says ``frozen 1``)."""
+    try:
+        if path.name == "freezer.state":
+            return path.read_text().strip() == "FROZEN"
+        return "frozen 1" in (path.parent / "cgroup.events").read_text().splitlines()
+    except OSError:
+        return False
+
+
+def freeze(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
+    """Freeze the container's cgroup; True once it is frozen (or there is no such cgroup here),
+    False if it is gone or does not freeze within ``wait_s``."""
+    path = control_file(container_id)
+    if path is None:
+        return True
+    value = "FROZEN" if path.name == "freezer.state" else "1"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            path.write_text(value)
+        except OSError:
+            return False
+        if _fully_frozen(path):
             return True
         if time.monotonic() > deadline:
             return False

@@ -23,7 +23,7 @@ from typing import Any
 import docker
 
 from belayer.errors import BelayerError, CheckpointFailed, InfraError, UsageError
-from belayer_env import disk
+from belayer_env import disk, freezer
 from belayer_env.checkpoint import layer, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, copy_hashed, write_manifest
 from belayer_env.checkpoint.store import CheckpointStore
@@ -153,6 +153,10 @@ def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: P
     finally:
         if tar is not None:
             tar.abort()
+        if with_runtime and not freezer.is_frozen(cid):
+            # a CRIU killed after seizing left the cgroup thawed (it re-freezes only at its
+            # end) while Docker still holds it paused: freeze it so that the unpause works
+            freezer.freeze(cid)
         with translate_errors(f"unpause sandbox {sandbox.name}"):
             api.unpause(cid)
     return time.monotonic() - t

@@ -33,6 +33,10 @@ RUNC = os.environ.get("BELAYER_RUNC", "runc")
 CRIU_OPTS = ["--leave-running", "--tcp-established", "--file-locks"]
 DUMP_TIMEOUT_S = float(os.environ.get("BELAYER_CRIU_TIMEOUT_S", "60"))
 """A dump still running after this is killed (runc, CRIU and CRIU's helpers) and fails."""
+CRIU_EXTRA_CONFIG = os.environ.get("BELAYER_CRIU_EXTRA_CONFIG", "")
+"""Test-only seam, empty by default: extra lines for the CRIU config file of every dump. The
+fault tests put an ``action-script`` here that holds CRIU stopped mid-dump (see
+tests/belayer_env/conftest_checkpoint.py, ``CriuHold``)."""
 _POLL_S = 0.02
 
 
@@ -57,7 +61,8 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
 
     ``isolated`` (no network): nothing outside can talk to the frozen sockets, so CRIU's
     network lock (iptables/nft in the container's netns, ~60 ms around the dump) is
-    skipped via an extra CRIU config file; runc's /etc/criu/runc.conf still applies.
+    skipped via an extra CRIU config file (which also carries ``CRIU_EXTRA_CONFIG``);
+    runc's /etc/criu/runc.conf still applies.
 
     runc and CRIU run in a session of their own. When ``abort`` is set, or the dump runs
     past ``timeout_s`` (default ``DUMP_TIMEOUT_S``), that whole session is SIGKILLed: a
@@ -70,9 +75,10 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     images.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
     env = dict(os.environ)
-    if isolated:
+    lines = (["network-lock skip"] if isolated else []) + ([CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else [])
+    if lines:
         conf = work / "criu.conf"
-        conf.write_text("network-lock skip\n")
+        conf.write_text("\n".join(lines) + "\n")
         env["CRIU_CONFIG_FILE"] = str(conf)
     argv = [RUNC, "--root", RUNC_ROOT, "checkpoint", *CRIU_OPTS,
             "--image-path", str(images), "--work-path", str(work), container_id]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import threading
+import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,11 +66,6 @@ while True:
     os.replace(sys.argv[1] + ".new", sys.argv[1])  # readers never see a half-written file
     time.sleep(0.01)
 '''
-
-# 300 MiB of touched memory: a dump lasts long enough to be caught mid-way
-BIG_PROCESS = ("setsid python3 -c 'import time; b = bytearray(300 << 20); b[::4096] = b\"x\" * len(b[::4096]); "
-               "open(\"/tmp/big.ready\", \"w\").close(); time.sleep(1e6)' >/dev/null 2>&1 </dev/null &"
-               " while [ ! -e /tmp/big.ready ]; do sleep 0.05; done")
 
 GET = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:{port}/', timeout=5).read().decode())\""
 TRY_LOCK = ("python3 -c \"import fcntl,sys; f=open('{path}','a');\n"
@@ -137,36 +132,78 @@ def make_sandbox(docker_client):
         fence(docker_client, name, background=False)
 
 
-def signal_criu_of(container_id: str, sig: int, stop: threading.Event, hit: list[int]) -> None:
-    """Poll /proc for the criu child of `runc checkpoint ... <container_id>` and send it ``sig``
-    (a real fault in the middle of a real dump); its pid goes to ``hit``."""
-    while not stop.is_set() and not hit:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            proc = read_stat(int(pid))
-            if proc is None or proc.comm != "criu":
-                continue
+HOLD_ACTIONS = ("network-lock", "post-dump")
+"""CRIU action-script stages of a dump that come after CRIU seized the container's processes:
+network-lock before any task is dumped, post-dump after every image is written."""
+
+HOLD_SCRIPT = """#!/bin/sh
+# test-only CRIU action script: stop CRIU itself ($PPID) at its first {action} stage
+[ "$CRTOOLS_SCRIPT_ACTION" = {action} ] || exit 0
+mkdir {dir}/claimed 2>/dev/null || exit 0  # one hold only: later dumps run through
+echo "$PPID" > {dir}/criu.pid.new && mv {dir}/criu.pid.new {dir}/criu.pid
+kill -STOP "$PPID"
+"""
+
+
+class CriuHold:
+    """The next CRIU dump stops itself at an action-script stage (a real ``runc checkpoint``,
+    its real CRIU, held SIGSTOPped with the container's processes seized) until the test
+    signals it: a fault at a known point of the dump instead of a race with a poller.
+
+    CRIU runs action scripts synchronously (criu/action-scripts.c, also from a config file
+    in RPC mode, which runc uses); the script's parent is the dumping CRIU.
+    """
+
+    def __init__(self, root: Path, action: str):
+        if action not in HOLD_ACTIONS:
+            raise ValueError(f"hold at one of {HOLD_ACTIONS}, not {action!r}")
+        root.mkdir(mode=0o700)
+        self.root, self.action = root, action
+        self.script = root / "hold.sh"
+        self.script.write_text(HOLD_SCRIPT.format(action=action, dir=shlex.quote(str(root))))
+        self.script.chmod(0o700)
+
+    def wait(self, container_pid: int, dumping: Callable[[], bool], timeout: float = 60) -> int:
+        """Wait until CRIU stopped itself at the hold, while ``dumping()``; its pid. Checks
+        that this CRIU has seized ``container_pid`` (the container's init): mid-dump."""
+
+        def held() -> int | str | None:
             try:
-                parent = Path(f"/proc/{proc.ppid}/cmdline").read_bytes().split(b"\0")
-                if b"checkpoint" in parent and container_id.encode() in parent:
-                    os.kill(proc.pid, sig)
-            except (OSError, ProcessLookupError):
-                continue  # it ended meanwhile
-            if b"checkpoint" in parent and container_id.encode() in parent:
-                hit.append(proc.pid)
-                return
+                pid = int((self.root / "criu.pid").read_text())
+            except (OSError, ValueError):
+                return None if dumping() else "ended"
+            stat = read_stat(pid)
+            return pid if stat is not None and stat.comm == "criu" and stat.state == "T" else None
+
+        pid = wait_until(held, timeout, f"CRIU stopped at its {self.action} action script")
+        assert pid != "ended", f"the dump ended before CRIU reached its {self.action} action script"
+        assert tracer_of(container_pid) == pid, f"the held CRIU {pid} has not seized the container's init"
+        return pid
 
 
-def criu_signaller(container_id: str, sig: int, hit: list[int], stop: threading.Event, then=None):
-    """A phase hook: when the capture freezes, start ``signal_criu_of`` (then call ``then()``)."""
+def tracer_of(pid: int) -> int | None:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("TracerPid:"):
+            return int(line.split()[1])
+    return None
 
-    def watch() -> None:
-        signal_criu_of(container_id, sig, stop, hit)
-        if hit and then is not None:
-            then()
 
-    def hook(phase: str) -> None:
-        if phase == "frozen" and not stop.is_set():
-            threading.Thread(target=watch, daemon=True).start()
+def init_pid(sb) -> int:
+    """Host pid of the sandbox container's init."""
+    return sb.client.api.inspect_container(sb.container_id)["State"]["Pid"]
 
-    return hook
 
+@pytest.fixture
+def criu_hold(tmp_path, monkeypatch):
+    """Arm a ``CriuHold`` for this test's next dump: ``hold = criu_hold("network-lock")``."""
+    from belayer_env.checkpoint import runtime
+
+    n = []
+
+    def arm(action: str = "network-lock") -> CriuHold:
+        n.append(1)
+        hold = CriuHold(tmp_path / f"criu-hold-{len(n)}", action)
+        monkeypatch.setattr(runtime, "CRIU_EXTRA_CONFIG", f"action-script {hold.script}")
+        return hold
+
+    return arm

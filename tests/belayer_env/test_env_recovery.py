@@ -7,7 +7,7 @@ import os
 from belayer_env.faults import TransportBreaker, kill_container, kill_processes, oom_container
 from belayer_env.policy import AlwaysPolicy
 from belayer_env.treehash import tree_hash
-from tests.belayer_env.conftest_checkpoint import BIG_PROCESS, criu_signaller
+from tests.belayer_env.conftest_checkpoint import init_pid
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.conftest import process_alive, wait_until
 
@@ -154,31 +154,27 @@ def test_capture_runs_in_the_background(make_env):
     assert env.checkpointer.ready and env.checkpointer.ready[-1].step == 1
 
 
-def test_container_killed_mid_dump_is_fenced_and_restored(make_env, docker_client):
-    """The container dies while CRIU dumps it (CRIU held stopped, as a hung dump): the env
-    kills the dump, fences the container under its own name and restores boundary 1."""
-    import signal
-    import threading
-
+def test_container_killed_mid_dump_is_fenced_and_restored(make_env, docker_client, criu_hold):
+    """The container dies while CRIU dumps it (CRIU held stopped with its processes seized, as
+    a hung dump): the env kills the dump, fences the container under its own name and
+    restores boundary 1."""
     env = make_env(checkpoint_policy="always")
     env.reset()
     name = env.name
     env.step("echo a >> /log")
     env.settle()
     assert [c.step for c in env.checkpointer.ready] == [1]
-    stop, hit = threading.Event(), []
+    hold = criu_hold()
     sandbox = env.sandbox
-    env.add_phase_hook(criu_signaller(
-        sandbox.container_id, signal.SIGSTOP, hit, stop, then=lambda: kill_container(docker_client, sandbox.container_id)))
-    try:
-        env.step("echo b >> /log; " + BIG_PROCESS)  # its capture is the one caught mid-dump
-        wait_until(lambda: hit, 30, "criu caught mid-dump of boundary 2")
-        obs, _r, _te, _tr, info = env.step("echo c >> /log")
-    finally:
-        stop.set()
+    env.step("echo b >> /log")  # its capture is the one held mid-dump
+    pending = env.checkpointer._pending
+    assert pending is not None, "boundary 2 is not being captured"
+    criu_pid = hold.wait(init_pid(sandbox), dumping=lambda: not pending.done())
+    kill_container(docker_client, sandbox.container_id)
+    obs, _r, _te, _tr, info = env.step("echo c >> /log")
     assert info["belayer"]["rollback"] == {"to_step": 1, "reason": "SandboxLost"}, info
     assert_no_infra_text(obs)
     assert env.name == name, "restored under a fresh name: the old container could not be fenced"
-    wait_until(lambda: not process_alive(hit[0]), 30, f"the stopped criu {hit[0]} killed and reaped")
+    wait_until(lambda: not process_alive(criu_pid), 30, f"the stopped criu {criu_pid} killed and reaped")
     assert env.step("cat /log")[0].endswith("<output>\na\n</output>")
     assert "checkpoint_abandoned" in [e.kind for e in env.trajectory.events]
