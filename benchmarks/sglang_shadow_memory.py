@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,6 +140,7 @@ def main() -> None:
             except ProcessLookupError:
                 pass
             proc.wait()
+        shutil.rmtree(run, ignore_errors=True)
 
 
 if __name__ == "__main__":
