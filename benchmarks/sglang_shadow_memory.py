@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def main() -> None:
     try:
         arena = subprocess.Popen([sys.executable, "-m", "belayer_engine.arena", "--socket", str(run / "arena.sock"),
                                   "--model-dir", str(model), "--weight-cache-socket", str(run / "wc.sock"),
-                                  "--num-blocks", "1", "--scratch-blocks", "0"], env=env, start_new_session=True)
+                                  "--num-blocks", "1", "--scratch-blocks", "1"], env=env, start_new_session=True)
         procs.append(arena)
         ArenaClient(str(run / "arena.sock")).wait_ready(600)
         ports = {"weight_cache_client": free_port(), "own_copy": free_port()}
@@ -139,6 +140,7 @@ def main() -> None:
             except ProcessLookupError:
                 pass
             proc.wait()
+        shutil.rmtree(run, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ PY=${BELAYER_SGLANG_PYTHON:-python3}
 SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
-# SGLang's runtime dependencies, by name (pins only where the note verified one matters).
+# SGLang's runtime dependencies, by name (pins where SGLang 0.5.23 pins them; pyyaml reads
+# the --config file that carries the worker secret).
 DEPS=(
   numpy fastapi uvicorn uvloop pydantic orjson pyzmq "transformers==5.19.0" "tokenizers==0.23.2"
   safetensors psutil requests aiohttp msgspec setproctitle pybase64 partial_json_parser
   python-multipart prometheus-client xxhash interegular einops tqdm packaging pillow
   "triton==3.6.0" zstandard IPython dill apache-tvm-ffi sentencepiece compressed-tensors gguf
-  openai jsonschema "xgrammar==0.2.7" "soundfile==0.13.1"
+  openai jsonschema "xgrammar==0.2.7" "soundfile==0.13.1" pyyaml
 )
 STAMP_TEXT="sglang==$SGLANG_VERSION torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION ${DEPS[*]}"
 STAMP=$VENV/.belayer-sglang-stamp

@@ -140,7 +140,7 @@ class SGLangBackend:
     def arena_argv(self, slot) -> list[str]:
         # KV lives inside each SGLang server: the arena keeps only a token KV region.
         return ["--model-dir", self.model, "--weight-cache-socket", self.weight_cache_socket(slot),
-                "--num-blocks", "1", "--scratch-blocks", "0"]
+                "--num-blocks", "1", "--scratch-blocks", "1"]
 
     def worker_argv(self, slot, spec) -> list[str]:
         self._arena_of[f"http://{spec.host}:{spec.port}"] = str(slot.arena_socket)

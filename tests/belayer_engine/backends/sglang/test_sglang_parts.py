@@ -93,3 +93,22 @@ def test_gc_reaps_sglang_shm_files_nobody_maps():
         assert str(path) in shm_files.reap_orphans()
     assert not path.exists() and held.exists()
     held.unlink()
+
+
+def test_the_arena_accepts_the_sglang_backends_options(tmp_path):
+    """The arena options the SGLang backend adds parse into a valid ArenaConfig."""
+    import argparse
+
+    from belayer_engine.arena.config import FLAGS, add_flags
+    from belayer_engine.backends.base import SlotSpec
+    from belayer_engine.backends.sglang.launcher import SGLangBackend
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    backend = SGLangBackend(str(tmp_path / "model"), venv=str(venv))
+    slot = SlotSpec(name="w0", device="cpu", arena_socket=tmp_path / "a.sock", run_dir=tmp_path)
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    cfg = FLAGS.build(p.parse_args(["--socket", str(slot.arena_socket), *backend.arena_argv(slot)]))
+    assert cfg.weight_cache_socket == backend.weight_cache_socket(slot) and cfg.model_dir == str(tmp_path / "model")
