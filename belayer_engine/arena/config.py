@@ -23,7 +23,7 @@ class ArenaConfig(BaseModel):
     seed: int = Field(0, description="seed of the generated weights")
     num_blocks: int = Field(256, ge=1, description="KV blocks in the live arena")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
-    scratch_blocks: int = Field(8, ge=1, description="KV blocks for shadows")
+    scratch_blocks: int = Field(8, ge=0, description="KV blocks for reference shadows (0: none, as for SGLang workers)")
     ack_timeout_s: float = Field(30.0, gt=0, description="update_weights waits this long for every worker to switch")
     lease_wait_s: float = Field(2.0, gt=0, description="activation waits this long for the old worker's connection to close")
     weight_cache_socket: str | None = Field(None, description="also serve SGLang's weight-cache protocol on this Unix socket")
