@@ -49,7 +49,7 @@ def test_unknown_router_options_are_refused():
 def test_engine_options_are_checked_before_anything_starts():
     from belayer_engine import RecoverableEngine
 
-    with pytest.raises(ValidationError, match="backend"), RecoverableEngine.launch(backend="sglang"):
+    with pytest.raises(ValidationError, match="backend"), RecoverableEngine.launch(backend="vllm"):
         pass
     with pytest.raises(ValidationError, match="made_up"), RecoverableEngine.launch(made_up=1):
         pass
