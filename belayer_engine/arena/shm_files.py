@@ -29,7 +29,13 @@ def orphaned() -> list[Path]:
     for p in sorted(SHM_DIR.glob(SHM_PREFIX + "*")):
         pid, _, rest = p.name[len(SHM_PREFIX):].partition("-")
         start = rest.partition("-")[0]
-        if not owner_alive(f"{pid}-{start}"):
+        if not pid.isdigit():
+            continue  # not an arena's file
+        if start.isdigit():
+            dead = not owner_alive(f"{pid}-{start}")
+        else:  # named by an older arena (pid only): kept while that pid runs
+            dead = not Path(f"/proc/{pid}").exists()
+        if dead:
             out.append(p)
     return out
 
