@@ -36,6 +36,8 @@ import time
 from contextlib import aclosing
 from pathlib import Path
 
+import _procmem as procmem  # benchmarks/, on sys.path when run as a script
+
 from belayer_engine.client import EngineClient
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
@@ -149,32 +151,9 @@ def _backend(args) -> dict:
     return {"backend": args.backend, "sglang_venv": args.sglang_venv} if args.backend == "sglang" else {}
 
 
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 def _tree_mib(pid: int) -> dict:
-    """RSS / PSS / private MiB summed over a process and its children (an SGLang server is
-    three processes: HTTP, scheduler, detokenizer)."""
-    total = {"rss": 0.0, "pss": 0.0, "private": 0.0}
-    for p in _tree(pid):
-        try:
-            lines = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        f = {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in lines)}
-        total["rss"] += f["Rss"]
-        total["pss"] += f["Pss"]
-        total["private"] += f["Private_Clean"] + f["Private_Dirty"]
-    return {k: round(v, 1) for k, v in total.items()}
+    """RSS / PSS / private MiB summed over a process and its children."""
+    return procmem.tree_mib(pid, ("rss", "pss", "private"))[1]
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -200,7 +179,7 @@ def _gpu_mib() -> dict[int, float]:
 
 def _tree_gpu(gpu: dict[int, float], pid: int) -> float | None:
     """GPU MiB of a process and its children (an SGLang server's scheduler holds it)."""
-    used = [gpu[p] for p in _tree(pid) if p in gpu]
+    used = [gpu[p] for p in procmem.tree(pid) if p in gpu]
     return sum(used) if used else None
 
 

@@ -29,38 +29,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import _procmem as procmem  # noqa: E402 - benchmarks/, on sys.path when run as a script
+
 from belayer_engine.arena.client import ArenaClient  # noqa: E402
 from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env  # noqa: E402
 from belayer_engine.backends.sglang.model_dir import embedded_config, ensure_embedded_model  # noqa: E402
 from belayer_engine.supervisor.processes import free_port  # noqa: E402
 
 
-def tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (SGLang: HTTP server, scheduler, detokenizer)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def rollup(pid: int) -> dict[str, float]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        fields[key] = int(value.split()[0]) / 1024  # MiB
-    return {"rss": fields["Rss"], "pss": fields["Pss"], "shared": fields["Shared_Clean"] + fields["Shared_Dirty"],
-            "private": fields["Private_Clean"] + fields["Private_Dirty"]}
-
-
 def server_memory(pid: int) -> dict:
-    procs = {p: rollup(p) for p in tree(pid)}
-    total = {k: round(sum(m[k] for m in procs.values()), 1) for k in ("rss", "pss", "shared", "private")}
-    return {"processes": len(procs), **total}
+    n, total = procmem.tree_mib(pid)
+    return {"processes": n, **total}
 
 
 def generate(port: int) -> list[int]:
