@@ -16,22 +16,8 @@ CRIU_SRC_DIR=/usr/local/src/belayer-criu
 LOG_DIR=/var/log/belayer
 mkdir -p "$LOG_DIR"
 
-step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
-info() { printf '    %s\n' "$*"; }
-die() { printf '\033[31merror:\033[0m %s\n' "$*" >&2; exit 1; }
-# run a long command with its log in a file, printing a dot every 5 s as progress
-run_logged() {
-  local log=$1; shift
-  ( "$@" >"$log" 2>&1 ) & local pid=$!
-  local t=0
-  while kill -0 "$pid" 2>/dev/null; do
-    sleep 1; t=$((t + 1)); (( t % 5 == 0 )) && printf '.' || true
-  done
-  if ! wait "$pid"; then
-    printf '\n'; tail -n 40 "$log" >&2; die "step failed; full log: $log"
-  fi
-  (( t >= 5 )) && printf ' %ds\n' "$t" || true
-}
+# step/info/die, run_logged
+. "$ROOT/scripts/lib.sh"
 
 [ "$(id -u)" = 0 ] || die "run as root (it installs packages and starts dockerd)"
 [ -f /etc/debian_version ] || die "this script supports Debian 12/13 only"

@@ -33,37 +33,25 @@ STAMP=$VENV/.belayer-sglang-stamp
 LOG_DIR=${BELAYER_LOG_DIR:-/var/log/belayer}
 mkdir -p "$LOG_DIR"
 
-step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
-info() { printf '    %s\n' "$*"; }
-die() { printf '\033[31merror:\033[0m %s\n' "$*" >&2; exit 1; }
-run_logged() {
-  local log=$1; shift
-  info "$* (log: $log)"
-  ( "$@" >"$log" 2>&1 ) & local pid=$!
-  local t=0
-  while kill -0 "$pid" 2>/dev/null; do
-    sleep 1; t=$((t + 1)); (( t % 5 == 0 )) && printf '.' || true
-  done
-  if ! wait "$pid"; then
-    printf '\n'; tail -n 40 "$log" >&2; die "step failed; full log: $log"
-  fi
-  (( t >= 5 )) && printf ' %ds\n' "$t" || true
-}
+# step/info/die, run_logged
+. "$(cd "$(dirname "$0")" && pwd)/lib.sh"
+# run_logged that first says what it runs and where its log goes
+run_logged_said() { info "${*:2} (log: $1)"; run_logged "$@"; }
 
 step "SGLang $SGLANG_VERSION in $VENV"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_TEXT" ] && [ -x "$VENV/bin/python" ]; then
   info "ready (stamp matches)"
   exit 0
 fi
-[ -x "$VENV/bin/python" ] || run_logged "$LOG_DIR/sglang-venv.log" "$PY" -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || run_logged_said "$LOG_DIR/sglang-venv.log" "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 # Keeps every later step from replacing the CPU torch with PyPI's CUDA build.
 CONSTRAINTS=$VENV/belayer-constraints.txt
 printf 'torch==%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" >"$CONSTRAINTS"
-run_logged "$LOG_DIR/sglang-torch.log" "${PIP[@]}" -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
-run_logged "$LOG_DIR/sglang-sglang.log" "${PIP[@]}" -c "$CONSTRAINTS" --no-deps \
+run_logged_said "$LOG_DIR/sglang-torch.log" "${PIP[@]}" -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
+run_logged_said "$LOG_DIR/sglang-sglang.log" "${PIP[@]}" -c "$CONSTRAINTS" --no-deps \
   "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
-run_logged "$LOG_DIR/sglang-deps.log" "${PIP[@]}" -c "$CONSTRAINTS" "${DEPS[@]}"
+run_logged_said "$LOG_DIR/sglang-deps.log" "${PIP[@]}" -c "$CONSTRAINTS" "${DEPS[@]}"
 "$VENV/bin/python" - <<'PYEOF' || die "torch in the SGLang venv is not the CPU build"
 import torch
 assert not torch.version.cuda, torch.version.cuda
