@@ -7,33 +7,29 @@ alike; the arena, workers and shadows are real child processes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import threading
 from collections.abc import Iterator
 
 from belayer.errors import UsageError
 from belayer_engine import worker_auth
+from belayer_engine.lifecycle import LoopEngine, engine_router_config, running
 from belayer_engine.router import Router, RouterConfig
 from belayer_engine.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor
 from belayer_engine.supervisor.config import SupervisorConfig
 
 
-class RecoverableEngine:
+class RecoverableEngine(LoopEngine):
     """An OpenAI-compatible endpoint that survives worker, stall and arena failures."""
 
     def __init__(self, supervisor: SupervisorConfig | None = None, router: RouterConfig | None = None) -> None:
+        super().__init__("belayer-engine")
         self.supervisor_config = supervisor or SupervisorConfig()
-        self.router_config = router or RouterConfig()
         # One random secret per engine: its workers answer only the router and the supervisor.
         self._worker_secret = worker_auth.new_secret()
-        self.router_config = self.router_config.model_copy(update={"worker_api_key": self._worker_secret})
-        if self.router_config.tokenizer is None and self.supervisor_config.model:
-            self.router_config = self.router_config.model_copy(update={"tokenizer": self.supervisor_config.model})
+        self.router_config = engine_router_config(router or RouterConfig(), self.supervisor_config.model,
+                                                  self._worker_secret)
         self.base_url: str = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="belayer-engine", daemon=True)
         self.router: Router | None = None
         self.supervisor: Supervisor | None = None
 
@@ -54,22 +50,13 @@ class RecoverableEngine:
         ``base_url`` ends in ``/v1`` so it can be given to ``openai.OpenAI(base_url=...)``.
         """
         config = SupervisorConfig(model=model, workers=workers, shadow=shadow, device=device, **supervisor_options)
-        engine = cls(config, router)
-        engine.start()
-        try:
+        with running(cls(config, router)) as engine:
             yield engine
-        finally:
-            engine.stop()
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        self._thread.start()
-        try:
-            self.call(self._start(), timeout=self.supervisor_config.start_timeout_s * 2)
-        except BaseException:
-            self.stop()
-            raise
+    def _start_timeout_s(self) -> float:
+        return self.supervisor_config.start_timeout_s * 2
 
     async def _start(self) -> None:
         # The one place the engine is wired: supervisor and router share a routing table;
@@ -81,26 +68,13 @@ class RecoverableEngine:
         self.base_url = url + "/v1"
         await self.supervisor.start()
 
-    def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
-
-        async def _stop() -> None:
-            if self.router:
-                await self.router.stop()
-            if self.supervisor:
-                await self.supervisor.stop()
-
-        with contextlib.suppress(Exception):
-            self.call(_stop(), timeout=60)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+    async def _stop(self) -> None:
+        if self.router:
+            await self.router.stop()
+        if self.supervisor:
+            await self.supervisor.stop()
 
     # ------------------------------------------------------------------ helpers
-
-    def call(self, coro, timeout: float | None = None):
-        """Run ``coro`` on the engine's loop from any thread and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def wait_ready(self, timeout: float = 120.0, stable: bool = False) -> None:
         """Block until every usable slot serves with a shadow armed (see Supervisor.wait_ready)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from belayer.errors import WorkerLost
 from belayer_engine import worker_auth
+from belayer_engine.lifecycle import LoopEngine, engine_router_config, running
 from belayer_engine.ray.slot_actor import EngineSlotActor
 from belayer_engine.router import Router, RouterConfig
 from belayer_engine.routing import Endpoint, RoutingTable
@@ -51,25 +51,20 @@ class RayEngineConfig(BaseModel):
     """Long-poll period of a slot's endpoint watch."""
 
 
-class RayEngine:
+class RayEngine(LoopEngine):
     """Router + Ray-placed slots behind one ``base_url``; see the module doc."""
 
     def __init__(self, config: RayEngineConfig | None = None):
+        super().__init__("belayer-ray-engine")
         config = config or RayEngineConfig()
         # one random secret per engine: every slot's workers answer only this router and
         # their own supervisor (it travels to the slot actors as an argument, inside Ray)
         self._worker_secret = worker_auth.new_secret()
-        config = config.model_copy(update={"router": config.router.model_copy(
-            update={"worker_api_key": self._worker_secret})})
-        if config.router.tokenizer is None and config.supervisor.model:
-            config = config.model_copy(update={"router": config.router.model_copy(
-                update={"tokenizer": config.supervisor.model})})
-        self.config = config
+        self.config = config.model_copy(update={"router": engine_router_config(
+            config.router, config.supervisor.model, self._worker_secret)})
         self.base_url = ""
         self.events: list[dict[str, Any]] = []
         self.slots: dict[str, dict[str, Any]] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="belayer-ray-engine", daemon=True)
         self._tasks: list[asyncio.Task] = []
         self.table: RoutingTable | None = None
         self.router: Router | None = None
@@ -77,22 +72,13 @@ class RayEngine:
     @classmethod
     @contextlib.contextmanager
     def launch(cls, config: RayEngineConfig | None = None) -> Iterator[RayEngine]:
-        engine = cls(config)
-        engine.start()
-        try:
+        with running(cls(config)) as engine:
             yield engine
-        finally:
-            engine.stop()
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        self._thread.start()
-        try:
-            self.call(self._start(), timeout=self.config.supervisor.start_timeout_s * 3)
-        except BaseException:
-            self.stop()
-            raise
+    def _start_timeout_s(self) -> float:
+        return self.config.supervisor.start_timeout_s * 3
 
     async def _start(self) -> None:
         self.table = RoutingTable()
@@ -108,23 +94,16 @@ class RayEngine:
         await self._wait(lambda: all(s["endpoint"] is not None for s in self.slots.values()),
                          self.config.supervisor.start_timeout_s * 2, "every slot serving")
 
-    def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.router:
+            await self.router.stop()
 
-        async def _stop() -> None:
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self.router:
-                await self.router.stop()
-
-        with contextlib.suppress(Exception):
-            self.call(_stop(), timeout=60)
+    def _after_stop(self) -> None:
         for state in self.slots.values():
             self._release(state, graceful=True)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ one slot
 
@@ -218,6 +197,3 @@ class RayEngine:
                 raise WorkerLost(f"timed out after {timeout:g} s waiting for {what}; events: {self.events[-5:]}")
             await asyncio.sleep(0.05)
         return value
-
-    def call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
