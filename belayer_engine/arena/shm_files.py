@@ -8,6 +8,7 @@ one owner-liveness rule of the project: a recycled pid never keeps a dead arena'
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from belayer.procfs import OwnerId, owner_alive
@@ -40,10 +41,15 @@ def orphaned() -> list[Path]:
     return out
 
 
-def reap_orphans() -> list[str]:
-    """Remove ``orphaned()`` files; returns their paths."""
+def unlink_all(paths: Iterable[Path]) -> list[str]:
+    """Remove ``paths`` (one already gone is fine); returns them. Every shm reaper's last step."""
     removed = []
-    for p in orphaned():
+    for p in paths:
         p.unlink(missing_ok=True)
         removed.append(str(p))
     return removed
+
+
+def reap_orphans() -> list[str]:
+    """Remove ``orphaned()`` files; returns their paths."""
+    return unlink_all(orphaned())

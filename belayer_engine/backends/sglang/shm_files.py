@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from belayer_engine.arena.shm_files import unlink_all
+
 SHM_DIR = Path("/dev/shm")
 PREFIXES = ("sglang_loads_", "sgl_shm_")
 
@@ -46,8 +48,4 @@ def orphaned() -> list[Path]:
 
 
 def reap_orphans() -> list[str]:
-    removed = []
-    for p in orphaned():
-        p.unlink(missing_ok=True)
-        removed.append(str(p))
-    return removed
+    return unlink_all(orphaned())
