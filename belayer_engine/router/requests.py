@@ -10,7 +10,6 @@ first, the worker refuses again for clients that talk to it directly.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,6 +23,7 @@ from pydantic import (
 )
 
 from belayer.errors import UsageError
+from belayer_engine.json_body import parse_json_object
 
 MAX_SEED = 2**63  # seeds are 0 <= seed < 2**63 (a torch generator takes 64 bits; keep one spare)
 MAX_STOP = 16
@@ -174,15 +174,7 @@ class CompletionRequest(_Common):
 
 def parse_json(raw: bytes) -> dict:
     """The body as a JSON object; anything else (bad UTF-8, bad JSON, too deep) is a UsageError."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise UsageError("body is not valid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise UsageError("request body must be a JSON object")
-    return body
+    return parse_json_object(raw)
 
 
 def _refuse_unsupported(body: dict) -> None:

@@ -25,6 +25,7 @@ from belayer_engine.backends.reference.config import FLAGS, WorkerConfig, add_fl
 from belayer_engine.backends.reference.sampling import SamplingParams
 from belayer_engine.backends.reference.scheduler import Request
 from belayer_engine.backends.reference.state import WorkerState
+from belayer_engine.json_body import parse_json_object
 
 
 class GenerateRequest(BaseModel):
@@ -107,14 +108,7 @@ class WorkerApp:
             "e2e_latency": time.time() - req.created}}
 
     async def _parse(self, request: web.Request) -> GenerateRequest:
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise UsageError(f"body is not valid JSON: {exc}") from exc
-        except RecursionError:
-            raise UsageError("body is not valid JSON: nested too deeply") from None
-        if not isinstance(body, dict):
-            raise UsageError("body must be a JSON object (batched requests are not supported)")
+        body = parse_json_object(await request.read(), "body must be a JSON object (batched requests are not supported)")
         try:
             g = GenerateRequest.model_validate(body)
         except ValidationError as exc:
