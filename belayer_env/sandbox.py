@@ -112,7 +112,9 @@ done
 exec 5>&- 8>&-
 sz() { stat -c %s "$1" 2>/dev/null || echo 0; }  # 0 when the command removed our files
 for _ in 1 2 3; do
-  n=0; read -r n <"$w/n"; hs=$(sz "$w/h") s0=$(sz "$w/c.0") s1=$(sz "$w/c.1")
+  n=0; read -r n <"$w/n"
+  set -- $(stat -c %s "$w/h" "$w/c.0" "$w/c.1" 2>/dev/null)
+  if [ "$#" = 3 ]; then hs=$1 s0=$2 s1=$3; else hs=$(sz "$w/h") s0=$(sz "$w/c.0") s1=$(sz "$w/c.1"); fi
   n2=; read -r n2 <"$w/n"; [ "$n" = "$n2" ] && break
 done
 if [ $((n % 2)) = 0 ]; then cur=$w/c.0 cs=$s0 prev=$w/c.1; else cur=$w/c.1 cs=$s1 prev=$w/c.0; fi
