@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from belayer.errors import ConfigError, SandboxLost
+from belayer.procfs import OwnerId
+from belayer.procfs import owner_alive as _label_owner_alive
 
 TOOL_TIMEOUT_S = 60.0
+IMAGE_PREFIX = "belayer-disk-"
 MKFS_OPTS = ["-q", "-F", "-t", "ext4", "-m", "0", "-i", "8192", "-O", "^has_journal",
              "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"]
 """No journal (the layer dies with its container anyway), no root reserve (the cap is what
@@ -57,8 +60,12 @@ def limit_layer(inspect: dict[str, Any], size_bytes: int) -> None:
     directory = layer_dir(inspect)
     if why := unsupported(directory):
         raise ConfigError(f"cannot apply the sandbox disk limit: {why}; pass disk=None to run without one")
-    image = directory.parent.parent / "tmp" / f"belayer-disk-{uuid.uuid4().hex[:12]}.img"
-    image.parent.mkdir(mode=0o700, exist_ok=True)  # Docker's own tmp dir: emptied when dockerd starts
+    tmp = directory.parent.parent / "tmp"  # Docker's own tmp dir: emptied when dockerd starts
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    for stale in tmp.glob(f"{IMAGE_PREFIX}*"):  # a creator killed between mkfs and mount left it
+        if not owner_alive(stale.name):
+            stale.unlink(missing_ok=True)
+    image = tmp / f"{IMAGE_PREFIX}{uuid.uuid4().hex[:12]}~{OwnerId.current().to_label()}"
     try:
         with open(image, "wb") as f:
             f.truncate(size_bytes)
@@ -80,6 +87,10 @@ def usage(inspect: dict[str, Any]) -> int | None:
         return None
     st = os.statvfs(directory)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def owner_alive(name: str) -> bool:
+    return _label_owner_alive(name.rpartition("~")[2])
 
 
 def _run(argv: list[str], what: str) -> None:

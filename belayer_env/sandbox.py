@@ -3,9 +3,11 @@
 Semantics follow mini-swe-agent's DockerEnvironment (``bash -lc``, stdout and stderr
 merged, ``{"output", "returncode"}``), with three differences that matter for RL:
 a command timeout kills the command (not the container) and is *returned* as an agent
-outcome; output is capped with an explicit marker; and infrastructure failures (container
-gone, daemon unreachable, exec transport broken) *raise* ``InfraError`` subclasses and are
-never returned as output text.
+outcome; output of any size is capped with an explicit marker without changing the
+command's exit code; and infrastructure failures (container gone, daemon unreachable, exec
+transport broken, runtime unable to run the command) *raise* ``InfraError`` subclasses and
+are never returned as output text. The container itself is created with a disk cap and a
+reduced capability set (``create_container``; docs/env.md, "Sandbox limits").
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ done
 exec 5>&- 8>&-
 sz() { stat -c %s "$1" 2>/dev/null || echo 0; }  # 0 when the command removed our files
 for _ in 1 2 3; do
-  n=0; read -r n <"$w/n"; hs=$(sz "$w/h") s0=$(sz "$w/c.0") s1=$(sz "$w/c.1")
+  n=0; read -r n <"$w/n"
+  set -- $(stat -c %s "$w/h" "$w/c.0" "$w/c.1" 2>/dev/null)
+  if [ "$#" = 3 ]; then hs=$1 s0=$2 s1=$3; else hs=$(sz "$w/h") s0=$(sz "$w/c.0") s1=$(sz "$w/c.1"); fi
   n2=; read -r n2 <"$w/n"; [ "$n" = "$n2" ] && break
 done
 if [ $((n % 2)) = 0 ]; then cur=$w/c.0 cs=$s0 prev=$w/c.1; else cur=$w/c.1 cs=$s1 prev=$w/c.0; fi
@@ -232,7 +236,8 @@ class DockerSandbox:
 
         A timeout is an agent outcome: the command's process group is killed, the output
         ends with a marker, ``returncode`` is 124 (137 if it had to be SIGKILLed) and the
-        result carries ``"timed_out": True``. Infra failures raise ``InfraError``.
+        result carries ``"timed_out": True``. Infra failures raise ``InfraError``; a command
+        over ``MAX_COMMAND_BYTES`` (1 MiB) raises ``InvalidAction``.
         """
         if not isinstance(action, str):
             raise InvalidAction(f"action must be a str (one bash command), got {type(action).__name__}")
@@ -276,7 +281,7 @@ class DockerSandbox:
             raise SandboxLost(f"{what}: the exec transport broke (no exit code after {elapsed:.1f} s)")
         meta = reader.apply_meta()
         if meta is None:
-            if exit_code == 0 or exit_code < 128:
+            if exit_code < 128:
                 # the wrapper finished but its report was lost (the stream was cut), or it never
                 # ran: what came back is a fragment or the runtime's text (e.g. "OCI runtime exec
                 # failed"), not the command's output, and must not reach the agent

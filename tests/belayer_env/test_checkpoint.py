@@ -169,11 +169,14 @@ def docker_client_paused(sb) -> bool:
 def test_refuses_while_a_command_runs(make_sandbox, ck_store):
     sb = make_sandbox()
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (sb.execute("touch /tmp/started; sleep 3"), done.set()))
+    # the command runs until the test lets it go (not for a fixed time a loaded machine can miss)
+    worker = threading.Thread(target=lambda: (sb.execute(
+        "touch /tmp/started; while [ ! -e /tmp/go ]; do sleep 0.05; done", timeout=120), done.set()))
     worker.start()
     wait_until(lambda: sb.execute("test -e /tmp/started")["returncode"] == 0, 30, "command started")
     with pytest.raises(CheckpointFailed, match="action boundaries"):
         full_checkpoint(sb, ck_store, 1)
+    sb.execute("touch /tmp/go")
     worker.join(30)
     assert done.is_set() and ck_store.list() == []
     assert full_checkpoint(sb, ck_store, 1).step == 1
