@@ -14,13 +14,18 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   checkpoint in, ``start?checkpoint=``.
 - ``cold``: create + start a fresh container (what a restore competes with: no state).
 
-Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root).
+Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root). It runs again and
+again on one machine: every name it creates (containers, Docker checkpoints, images) carries a
+run id, every checkpoint copy it restores from carries a nonce file (Docker uploads the
+directory to containerd's content store by digest: two identical copies, or one a crashed run
+left there, collide with "content ... already exists"), and it removes what it made.
 Writes ``benchmarks/results/checkpoint_bench.json`` (+ ``.png`` with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,14 +90,22 @@ def docker_checkpoint(client, sb: DockerSandbox, name: str) -> dict:
 def docker_restore(client, sb: DockerSandbox, ck: dict, name: str) -> float:
     t0 = time.monotonic()
     config = sb.config.model_copy(update={"image": ck["image"]})
-    c = create_container(client, config, f"{sb.name}-dk")
+    c = create_container(client, config, f"{sb.name}-dk-{name}")
     dest = Path(client.info()["DockerRootDir"]) / "containers" / c.id / "checkpoints" / name
     shutil.copytree(ck["ckdir"], dest)
+    (dest / "belayer-nonce").write_text(uuid.uuid4().hex)  # a unique digest in containerd's store
     api = client.api
-    api._raise_for_status(api.post(api._url("/containers/{0}/start", c.id), params={"checkpoint": name}))
-    elapsed = time.monotonic() - t0
-    api.remove_container(c.id, force=True)
-    return elapsed
+    try:
+        api._raise_for_status(api.post(api._url("/containers/{0}/start", c.id), params={"checkpoint": name}))
+        return time.monotonic() - t0
+    finally:
+        api.remove_container(c.id, force=True)
+
+
+def delete_docker_checkpoint(client, cid: str, name: str) -> None:
+    api = client.api
+    with contextlib.suppress(Exception):  # best effort: it goes with the container anyway
+        api._raise_for_status(api.delete(api._url("/containers/{0}/checkpoints/{1}", cid, name)))
 
 
 def cold_start(client, config: SandboxConfig) -> float:
@@ -102,8 +116,8 @@ def cold_start(client, config: SandboxConfig) -> float:
     return elapsed
 
 
-def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> dict:
-    sb = DockerSandbox(client=client, timeout=120)
+def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_id: str) -> dict:
+    sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
     if scenario == "heavy":
         r = sb.execute(HEAVY_SETUP)
         assert r["returncode"] == 0, r["output"][-2000:]
@@ -116,11 +130,13 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> di
             ck = full_checkpoint(sb, store, i)
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["belayer"][k].append(getattr(ck, k))
-            dk = docker_checkpoint(client, sb, f"b{i}")
+            dk_name = f"{run_id}-{scenario}-{i}"
+            dk = docker_checkpoint(client, sb, dk_name)
+            images.append(dk["image"])
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["docker"][k].append(dk[k])
-            out["docker"]["restore_s"].append(docker_restore(client, sb, dk, f"b{i}"))
-            images.append(dk["image"])
+            out["docker"]["restore_s"].append(docker_restore(client, sb, dk, dk_name))
+            delete_docker_checkpoint(client, sb.container_id, dk_name)
             t0 = time.monotonic()
             sb = full_restore(ck, client=client)
             out["belayer"]["restore_s"].append(time.monotonic() - t0)
@@ -142,8 +158,9 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> di
                   f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
                   flush=True)
     finally:
-        fence(client, sb.name)
-        fence(client, f"{sb.name}-dk")
+        fence(client, sb.name, background=False)
+        for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
+            fence(client, c["Names"][0].lstrip("/"), background=False)
         for image in images:  # removal is slow under load: after the timed part
             try:
                 client.api.remove_image(image, force=True)
@@ -187,16 +204,17 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint_bench.json"))
     args = ap.parse_args()
     client = connect()
+    run_id = uuid.uuid4().hex[:8]
     store_dir = Path(tempfile.mkdtemp(prefix="belayer-bench-", dir="/var/tmp"))
     store = CheckpointStore(store_dir, keep=2)
     result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                        "loadavg_start": os.getloadavg(), "docker": client.version()["Version"],
                        "criu": subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout.split()[1],
-                       "store": str(store_dir)},
+                       "store": str(store_dir), "run_id": run_id},
               "runs": args.runs, "scenarios": {}}
     try:
         for scen in args.scenarios.split(","):
-            raw = run_scenario(client, scen, args.runs, store)
+            raw = run_scenario(client, scen, args.runs, store, run_id)
             result["scenarios"][scen] = {m: {k: summarize(v) for k, v in d.items() if v} for m, d in raw.items()}
             result["scenarios"][scen]["raw"] = raw
     finally:
