@@ -21,6 +21,7 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import docker
 
@@ -133,9 +134,7 @@ class Standby:
         api, cid = self.client.api, sandbox.container_id
         try:
             fenced = fence.kill(self.client, name)
-            with translate_errors(f"promote standby {standby}"):
-                api.rename(cid, name)
-                api.unpause(cid)
+            _both(lambda: api.rename(cid, name), lambda: api.unpause(cid), f"promote standby {standby}")
             self.hook(Phase.STANDBY_THAWED)
             promoted = DockerSandbox.attach(cid, checkpoint.config, name, self.client)
             promoted.check_alive(f"thawed standby of {checkpoint.id}")
@@ -158,6 +157,26 @@ class Standby:
             with contextlib.suppress(Exception):
                 fence.fence(self.client, name, background=False)
         done.wait(wait_s)
+
+
+def _both(first: Callable[[], object], second: Callable[[], object], what: str) -> None:
+    """Run two independent Docker calls side by side (rename and unpause: ~2 x 15 ms under
+    load); raise the first error, translated, once both are done."""
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], object]) -> None:
+        try:
+            with translate_errors(what):
+                call()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    t = threading.Thread(target=run, args=(first,), daemon=True, name="belayer-standby-promote")
+    t.start()
+    run(second)
+    t.join()
+    if errors:
+        raise errors[0]
 
 
 def promote_or_none(standby: Standby | None, checkpoint: Checkpoint, name: str) -> DockerSandbox | None:
