@@ -162,7 +162,7 @@ class Checkpointer:
             self.standby.prepare(ckpt)
             self.record("standby_preparing", at_step=ckpt.step)
         else:
-            self.standby.discard()
+            self.standby.discard(background=True)
 
     def _prune(self) -> None:
         while len(self.ready) > self.keep:
@@ -172,7 +172,7 @@ class Checkpointer:
         """Remove a checkpoint and its pre-staged copy on Docker's disk (one still being
         made is stopped first), so nothing of it outlives the env."""
         if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
-            self.standby.discard()
+            self.standby.discard(background=True)
         for p in self._prestaging:
             if p.checkpoint is not None and p.checkpoint.id == ckpt.id:
                 p.stop_prestage(PRESTAGE_STOP_S)

@@ -77,21 +77,26 @@ class Standby:
         return self._done.is_set() and self._sandbox is not None
 
     def prepare(self, checkpoint: Checkpoint) -> None:
-        """Discard the current standby, then restore ``checkpoint`` into a new one (background)."""
-        self.discard()
+        """Replace the standby with one of ``checkpoint``, all on a background thread: the
+        old one is removed first (at most one exists), then the new one is restored."""
+        old = self._take()
         name = standby_name(checkpoint.sandbox)
         with self._lock:
             self._checkpoint, self._name, self._sandbox, self.error = checkpoint, name, None, None
             self._cancel = threading.Event()
             self._done = threading.Event()
             done, cancel = self._done, self._cancel
-        threading.Thread(target=self._prepare, args=(checkpoint, name, done, cancel), daemon=True,
+        threading.Thread(target=self._prepare, args=(checkpoint, name, done, cancel, old), daemon=True,
                          name=f"belayer-standby-{name[-8:]}").start()
 
-    def _prepare(self, ck: Checkpoint, name: str, done: threading.Event, cancel: threading.Event) -> None:
+    def _prepare(self, ck: Checkpoint, name: str, done: threading.Event, cancel: threading.Event,
+                 old: tuple[str | None, threading.Event]) -> None:
         t0 = time.monotonic()
         sandbox = None
         try:
+            self._remove(*old)
+            if cancel.is_set():
+                raise SandboxLost(f"standby {name} was discarded before it was prepared")
             sandbox = full_restore(ck, client=self.client, name=name)
             with translate_errors(f"freeze standby {name}"):
                 self.client.api.pause(sandbox.container_id)
@@ -147,16 +152,28 @@ class Standby:
         promoted.restored_from = checkpoint.id
         return promoted
 
-    def discard(self, wait_s: float = PREPARE_WAIT_S) -> None:
-        """Remove the standby (one being prepared is stopped and removed by its thread)."""
+    def discard(self, *, background: bool = False) -> None:
+        """Remove the standby (one being prepared is stopped and removes itself);
+        ``background``: on a thread, so the caller (a step) does not wait for Docker."""
+        old = self._take()
+        if background:
+            threading.Thread(target=self._remove, args=old, daemon=True, name="belayer-standby-discard").start()
+        else:
+            self._remove(*old)
+
+    def _take(self) -> tuple[str | None, threading.Event]:
+        """Forget the current standby; return what removing it needs (its name, its thread's end)."""
         with self._lock:
-            sandbox, name, done = self._sandbox, self._name, self._done
+            name, done = self._name, self._done
             self._sandbox, self._checkpoint, self._name = None, None, None
             self._cancel.set()
-        if name is not None and sandbox is not None:
+        return name, done
+
+    def _remove(self, name: str | None, done: threading.Event) -> None:
+        done.wait(PREPARE_WAIT_S)  # a preparation still running stops at its next check
+        if name is not None:
             with contextlib.suppress(Exception):
                 fence.fence(self.client, name, background=False)
-        done.wait(wait_s)
 
 
 def _both(first: Callable[[], object], second: Callable[[], object], what: str) -> None:
