@@ -146,6 +146,8 @@ class _Injector:
         elif f.where == "restore" and not self._caused:
             self._caused = True
             self.env.settle()  # let the newest capture publish, so recovery really restores it
+            if self.env.checkpointer.standby is not None:
+                self.env.checkpointer.standby.discard()  # ...rather than promote a standby ("standby" trials do)
             self.faults.arm("restore", f.phase, f.kind)  # type: ignore[arg-type]
             self.faults.fire("kill")  # the action dies at once: recovery must restore...
 
