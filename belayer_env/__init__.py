@@ -20,6 +20,7 @@ _LAZY = {
     "full_checkpoint": "belayer_env.checkpoint",
     "full_restore": "belayer_env.checkpoint",
     "fence": "belayer_env.fence",
+    "fork": "belayer_env.forking",
     "Phase": "belayer_env.phases",
     "RecoverableSandboxEnv": "belayer_env.env",
     "Sandbox": "belayer_env.protocol",

@@ -20,10 +20,12 @@ from belayer_env.checkpoint import (
     Checkpoint,
     CheckpointStore,
     PendingCheckpoint,
+    full_checkpoint,
     full_restore,
     start_checkpoint,
 )
 from belayer_env.checkpoint.prestaging import discard_copies
+from belayer_env.checkpoint.standby import Standby, meminfo_available, promote_or_none
 from belayer_env.phases import PhaseHooks
 from belayer_env.policy import CheckpointPolicy
 from belayer_env.sandbox import DockerSandbox
@@ -36,8 +38,11 @@ Recorder = Callable[..., Any]  # Trajectory.record
 
 class Checkpointer:
     def __init__(self, policy: CheckpointPolicy, record: Recorder, *, directory: str | None = None,
-                 keep: int = 3, runtime: bool = True, allow_degraded: bool = False):
+                 keep: int = 3, runtime: bool = True, allow_degraded: bool = False, standby: bool = False):
         self.policy = policy
+        self.use_standby = standby
+        self.standby: Standby | None = None
+        """The newest checkpoint pre-restored and frozen (``standby=True`` and the policy agrees)."""
         self.record = record
         self.runtime = runtime
         self.allow_degraded = allow_degraded
@@ -142,6 +147,22 @@ class Checkpointer:
         self.policy.observe_ready(ckpt.step)
         self.record("checkpoint_ready", at_step=ckpt.step)
         self._prune()
+        self._prepare_standby(ckpt)
+
+    def _prepare_standby(self, ckpt: Checkpoint) -> None:
+        """Pre-restore ``ckpt`` into the (one) standby when enabled and the policy wants it;
+        a standby of an older checkpoint is discarded either way (it would roll back further)."""
+        if not self.use_standby or self._client is None:
+            return
+        if self.standby is None:
+            self.standby = Standby(self._client, phase_hook=self.hooks)
+        if self.standby.ready() and self.standby.prepare_s is not None:
+            self.policy.observe_standby(self.standby.prepare_s)
+        if self.policy.wants_standby(ckpt.size_bytes, meminfo_available()):
+            self.standby.prepare(ckpt)
+            self.record("standby_preparing", at_step=ckpt.step)
+        else:
+            self.standby.discard(background=True)
 
     def _prune(self) -> None:
         while len(self.ready) > self.keep:
@@ -150,6 +171,8 @@ class Checkpointer:
     def _remove(self, ckpt: Checkpoint) -> None:
         """Remove a checkpoint and its pre-staged copy on Docker's disk (one still being
         made is stopped first), so nothing of it outlives the env."""
+        if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
+            self.standby.discard(background=True)
         for p in self._prestaging:
             if p.checkpoint is not None and p.checkpoint.id == ckpt.id:
                 p.stop_prestage(PRESTAGE_STOP_S)
@@ -182,6 +205,9 @@ class Checkpointer:
                 self._remove(self.ready.pop())
                 continue
             tries += 1
+            if tries == 1 and (sandbox := promote_or_none(self.standby, ckpt, ckpt.sandbox)) is not None:
+                self.record("standby_promoted", at_step=committed, to_step=ckpt.step)
+                return sandbox, ckpt.step
             try:
                 sandbox = full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
                                        phase_hook=self.hooks)
@@ -198,6 +224,21 @@ class Checkpointer:
                 self.record("degraded_restore", at_step=committed, to_step=ckpt.step)
             return sandbox, ckpt.step
         return None
+
+    def boundary_checkpoint(self, sandbox: DockerSandbox, step: int, timeout: float) -> Checkpoint:
+        """A ready checkpoint of boundary ``step`` (the sandbox's current one): the newest
+        ready one if it is that boundary's, else one taken now and kept as ready."""
+        self.settle(step, timeout)
+        if self.ready and self.ready[-1].step == step:
+            return self.ready[-1]
+        ckpt = full_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
+        self._client = sandbox.client
+        self.ready.append(ckpt)
+        self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
+        self.policy.observe_ready(ckpt.step)
+        self.record("checkpoint_ready", at_step=ckpt.step)
+        self._prune()
+        return ckpt
 
     def settle(self, step: int, timeout: float) -> None:
         """Wait (bounded) for the capture in flight to finish and collect it."""
@@ -241,6 +282,8 @@ class Checkpointer:
     def reset(self) -> None:
         """New episode: abort the capture in flight and forget every checkpoint."""
         self.abort_inflight()
+        if self.standby is not None:
+            self.standby.discard()
         for c in self.ready:
             self._remove(c)
         self.ready = []

@@ -65,6 +65,9 @@ class EnvConfig(StrictModel):
     """Restore attempts per failure before the episode is given up (the error is raised)."""
     pending_wait_s: float = Field(default=30.0, ge=0)
     """On failure, how long to wait for a capture still being written (it predates the fault)."""
+    standby: bool = False
+    """Keep the newest checkpoint pre-restored in a frozen standby when the policy agrees
+    (memory, cost): a rollback onto it is fence + thaw + verify (checkpoint/standby.py)."""
 
 
 class _OneThread:
@@ -113,7 +116,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self.trajectory = Trajectory()
         self.checkpointer = Checkpointer(self.policy, self._record, directory=config.checkpoint_dir,
                                          keep=config.keep_checkpoints, runtime=config.runtime,
-                                         allow_degraded=config.allow_degraded)
+                                         allow_degraded=config.allow_degraded, standby=config.standby)
         self.sandbox: DockerSandbox | None = None
         self.name = ""
         self._episode_config = config.sandbox
@@ -216,6 +219,13 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             self.checkpointer.after_step(self.sandbox, k + 1)  # runs during the LLM's next generation
         self._last_return = time.monotonic()
         return observation, reward, submitted, truncated, info
+
+    def fork(self, n: int) -> list[RecoverableSandboxEnv]:
+        """``n`` independent envs at this env's current boundary (see ``belayer_env.fork``)."""
+        with self._one_thread("fork"):
+            from belayer_env.forking import fork_env
+
+            return fork_env(self, n)
 
     def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:
         """Call ``hook(phase)`` at every named ``Phase`` of this env's captures and restores

@@ -189,5 +189,5 @@ class FaultInjector:
         if how == "raise":
             raise InjectedFault(f"injected fail-stop during {op} at phase '{phase}'")
         with contextlib.suppress(*_DAEMON_ERRORS, InfraError):
-            for c in sandbox_containers(self.env.client, self.env.name):
+            for c in sandbox_containers(self.env.client, self.env.name, by_name=True):  # a promoted standby too
                 kill_container(self.env.client, c["Id"])

@@ -49,6 +49,13 @@ class CheckpointPolicy(Protocol):
     def observe_ready(self, step: int) -> None:
         """The checkpoint of ``step`` is ready: regeneration cost restarts from there."""
 
+    def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
+        """Keep a standby (the newest checkpoint pre-restored, frozen) costing ``memory_bytes``
+        while the host has ``available_bytes`` (None: unknown)?"""
+
+    def observe_standby(self, prepare_s: float) -> None:
+        """A standby took ``prepare_s`` (a full restore's work, on a background thread)."""
+
 
 class NeverPolicy:
     """No checkpoints: recovery always goes back to the initial state."""
@@ -66,6 +73,10 @@ class NeverPolicy:
     def observe_capture_failed(self, timed_out: bool) -> None: ...
     def observe_rollback(self, to_step: int) -> None: ...
     def observe_ready(self, step: int) -> None: ...
+    def observe_standby(self, prepare_s: float) -> None: ...
+
+    def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
+        return False
 
 
 class AlwaysPolicy(NeverPolicy):
@@ -79,6 +90,20 @@ class AlwaysPolicy(NeverPolicy):
 
     def late_wait_s(self, elapsed_s: float) -> float:
         return max(0.0, self.wait_s - elapsed_s)
+
+    def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
+        return memory_fits(memory_bytes, available_bytes, STANDBY_RESERVE_BYTES)
+
+
+STANDBY_RESERVE_BYTES = 1 << 30
+STANDBY_ROLLBACK_S = 0.05
+"""What a rollback onto a standby costs (fence + thaw + verify), for the saving estimate."""
+"""A standby is never kept when it would leave the host less than this much memory."""
+
+
+def memory_fits(memory_bytes: int, available_bytes: int | None, reserve_bytes: int) -> bool:
+    """Unknown availability counts as short: a standby is an optimisation, never a risk."""
+    return available_bytes is not None and available_bytes - memory_bytes >= reserve_bytes
 
 
 class AdaptivePolicyConfig(BaseModel):
@@ -105,6 +130,13 @@ class AdaptivePolicyConfig(BaseModel):
     """Take the first possible checkpoint to measure the capture time (else the prior rules)."""
     cooldown_s: float = Field(20.0, ge=0)
     """After a timed-out or failed capture, take no new one for this long."""
+    standby_reserve_bytes: int = Field(STANDBY_RESERVE_BYTES, ge=0)
+    """Keep no standby that would leave the host less memory than this."""
+    standby_cpu_weight: float = Field(0.05, ge=0)
+    """A standby's background restore counts this much per second against the rollback
+    time it saves (its CPU competes with other work, not with this agent's latency)."""
+    standby_prepare_s: float = Field(1.0, gt=0)
+    """Prior for a standby's preparation time, until one has been measured."""
 
 
 class AdaptivePolicy:
@@ -123,6 +155,8 @@ class AdaptivePolicy:
         self.cooldown_until = float("-inf")
         self._cost_by_step: list[float] = []  # regeneration cost of each committed step
         self._ready_step = 0
+        self.standby_prepare_s: float | None = None
+        self.readies = 0  # checkpoints that became ready (their spacing: a standby's lifetime)
 
     # ------------------------------------------------------------------ estimates
 
@@ -161,6 +195,21 @@ class AdaptivePolicy:
             return True  # one capture to measure what a capture costs here; priors only guess
         return self.expected_saving_s() > self.visible_cost_s()
 
+    def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
+        """Keep a standby iff the memory fits and the failures expected during its life
+        (until the next checkpoint replaces it) save more restore time than its background
+        restore costs: p_fail x steps_per_checkpoint x (prepare - rollback) >= weight x prepare."""
+        c = self.config
+        if not memory_fits(memory_bytes, available_bytes, c.standby_reserve_bytes):
+            return False
+        prepare = c.standby_prepare_s if self.standby_prepare_s is None else self.standby_prepare_s
+        lifetime_steps = max(1.0, self.steps / max(1, self.readies))
+        saving = max(0.0, prepare - STANDBY_ROLLBACK_S)
+        return self.failure_probability * lifetime_steps * saving >= c.standby_cpu_weight * prepare
+
+    def observe_standby(self, prepare_s: float) -> None:
+        self.standby_prepare_s = self._ema(self.standby_prepare_s, max(0.0, prepare_s))
+
     def late_wait_s(self, elapsed_s: float) -> float:
         left = max(0.0, self.config.capture_timeout_s - elapsed_s)
         if self.config.on_late == "wait":
@@ -196,6 +245,7 @@ class AdaptivePolicy:
             self.capture_s = self._ema(self.predicted_capture_s, self.config.capture_timeout_s)
 
     def observe_ready(self, step: int) -> None:
+        self.readies += 1
         self._ready_step = max(self._ready_step, min(step, len(self._cost_by_step)))
 
     def observe_rollback(self, to_step: int) -> None:

@@ -14,7 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 EventKind = Literal["rollback", "checkpoint_ready", "checkpoint_failed", "checkpoint_abandoned",
-                    "restore_failed", "degraded_restore", "sandbox_exited"]
+                    "restore_failed", "degraded_restore", "sandbox_exited", "standby_preparing",
+                    "standby_promoted"]
 
 
 class StepRecord(BaseModel):

@@ -12,15 +12,31 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
 - ``docker``: the naive way: pause -> ``POST /containers/{id}/checkpoints`` (leave running)
   -> ``docker commit --pause=false`` -> unpause; restore = create from the commit, copy the
   checkpoint in, ``start?checkpoint=``.
+- ``standby``: the checkpoint restored ahead of time into a frozen standby (``prepare_s``, off
+  the critical path); the sandbox is then lost (killed, untimed: the failure), and the
+  rollback is ``Standby.promote``: fence the dead sandbox, rename, thaw, verify
+  (``restore_s``). The other restores fence a live sandbox inside their timing (~0.1 s of
+  ``docker kill`` under load).
+- ``fork``: ``fork(checkpoint, n)`` (``--fork-n``, default 8): n sandboxes from one
+  checkpoint, side by side; ``restore_s`` is the time until all n run.
 - ``cold``: create + start a fresh container (what a restore competes with: no state).
 
-Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root).
+The machine may be shared: the load average is recorded at the start and after every run
+(``host.loadavg``); under load compare the methods side by side (same run, interleaved),
+not with figures from another machine.
+
+Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root). It runs again and
+again on one machine: every name it creates (containers, Docker checkpoints, images) carries a
+run id, every checkpoint copy it restores from carries a nonce file (Docker uploads the
+directory to containerd's content store by digest: two identical copies, or one a crashed run
+left there, collide with "content ... already exists"), and it removes what it made.
 Writes ``benchmarks/results/checkpoint_bench.json`` (+ ``.png`` with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,13 +46,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore, prestage  # noqa: E402
+from belayer_env.checkpoint.standby import Standby  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.forking import fork  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
 
 HEAVY_SETUP = r"""
@@ -56,9 +75,10 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "prestaged", "docker", "cold")
-LABELS = {"belayer": "belayer", "prestaged": "belayer (pre-staged)", "docker": "docker checkpoint + commit",
-          "cold": "cold create + start"}
+METHODS = ("belayer", "prestaged", "standby", "fork", "docker", "cold")
+LABELS = {"belayer": "belayer", "prestaged": "belayer (pre-staged)", "standby": "belayer (standby)",
+          "fork": "belayer fork x N (all)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
+STANDBY_WAIT_S = 300.0
 
 
 def dir_size(path: Path) -> int:
@@ -84,14 +104,22 @@ def docker_checkpoint(client, sb: DockerSandbox, name: str) -> dict:
 def docker_restore(client, sb: DockerSandbox, ck: dict, name: str) -> float:
     t0 = time.monotonic()
     config = sb.config.model_copy(update={"image": ck["image"]})
-    c = create_container(client, config, f"{sb.name}-dk")
+    c = create_container(client, config, f"{sb.name}-dk-{name}")
     dest = Path(client.info()["DockerRootDir"]) / "containers" / c.id / "checkpoints" / name
     shutil.copytree(ck["ckdir"], dest)
+    (dest / "belayer-nonce").write_text(uuid.uuid4().hex)  # a unique digest in containerd's store
     api = client.api
-    api._raise_for_status(api.post(api._url("/containers/{0}/start", c.id), params={"checkpoint": name}))
-    elapsed = time.monotonic() - t0
-    api.remove_container(c.id, force=True)
-    return elapsed
+    try:
+        api._raise_for_status(api.post(api._url("/containers/{0}/start", c.id), params={"checkpoint": name}))
+        return time.monotonic() - t0
+    finally:
+        api.remove_container(c.id, force=True)
+
+
+def delete_docker_checkpoint(client, cid: str, name: str) -> None:
+    api = client.api
+    with contextlib.suppress(Exception):  # best effort: it goes with the container anyway
+        api._raise_for_status(api.delete(api._url("/containers/{0}/checkpoints/{1}", cid, name)))
 
 
 def cold_start(client, config: SandboxConfig) -> float:
@@ -102,25 +130,59 @@ def cold_start(client, config: SandboxConfig) -> float:
     return elapsed
 
 
-def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> dict:
-    sb = DockerSandbox(client=client, timeout=120)
+def standby_rollback(client, sb: DockerSandbox, ck) -> tuple[DockerSandbox, float, float]:
+    """Prepare a standby of ``ck`` (untimed in real use: background), then roll ``sb`` onto it."""
+    st = Standby(client)
+    st.prepare(ck)
+    deadline = time.monotonic() + STANDBY_WAIT_S
+    while not (st.ready() or st.error):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"standby not prepared after {STANDBY_WAIT_S:g} s")
+        time.sleep(0.05)
+    if st.error is not None:
+        raise RuntimeError(f"standby failed: {st.error}")
+    client.api.kill(sb.container_id)  # the failure a rollback answers: the sandbox is lost
+    t0 = time.monotonic()
+    promoted = st.promote(ck, sb.name)
+    elapsed = time.monotonic() - t0
+    assert promoted is not None and promoted.is_alive(), "standby not promoted"
+    return promoted, st.prepare_s or 0.0, elapsed
+
+
+def fork_all(client, ck, n: int) -> float:
+    t0 = time.monotonic()
+    forks = fork(ck, n, client=client)
+    elapsed = time.monotonic() - t0
+    for f in forks:
+        assert f.is_alive(), f"fork {f.name} is not running"
+        fence(client, f.name, background=False)
+    return elapsed
+
+
+def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, fork_n: int,
+                 loads: list) -> dict:
+    sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
     if scenario == "heavy":
         r = sb.execute(HEAVY_SETUP)
         assert r["returncode"] == 0, r["output"][-2000:]
     out = {m: {k: [] for k in ("frozen_s", "total_s", "restore_s", "size_bytes")} for m in ("belayer", "docker")}
     out["prestaged"] = {k: [] for k in ("frozen_s", "total_s", "prestage_s", "restore_s", "size_bytes")}
     out["cold"] = {"restore_s": []}
+    out["standby"] = {"prepare_s": [], "restore_s": []}
+    out["fork"] = {"restore_s": []}
     images: list[str] = []
     try:
         for i in range(runs):
             ck = full_checkpoint(sb, store, i)
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["belayer"][k].append(getattr(ck, k))
-            dk = docker_checkpoint(client, sb, f"b{i}")
+            dk_name = f"{run_id}-{scenario}-{i}"
+            dk = docker_checkpoint(client, sb, dk_name)
+            images.append(dk["image"])
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["docker"][k].append(dk[k])
-            out["docker"]["restore_s"].append(docker_restore(client, sb, dk, f"b{i}"))
-            images.append(dk["image"])
+            out["docker"]["restore_s"].append(docker_restore(client, sb, dk, dk_name))
+            delete_docker_checkpoint(client, sb.container_id, dk_name)
             t0 = time.monotonic()
             sb = full_restore(ck, client=client)
             out["belayer"]["restore_s"].append(time.monotonic() - t0)
@@ -134,7 +196,17 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> di
             assert "staged" in phases, phases
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["prestaged"][k].append(getattr(ck, k))
+            sb, prepare_s, rollback_s = standby_rollback(client, sb, ck)
+            out["standby"]["prepare_s"].append(prepare_s)
+            out["standby"]["restore_s"].append(rollback_s)
+            if fork_n:
+                out["fork"]["restore_s"].append(fork_all(client, ck, fork_n))
             out["cold"]["restore_s"].append(cold_start(client, sb.config))
+            loads.append(os.getloadavg())
+            print(f"  {scenario} run {i + 1}/{runs}: standby rollback {rollback_s * 1e3:.0f} ms (prepare "
+                  f"{prepare_s * 1e3:.0f} ms), fork x{fork_n} "
+                  f"{(out['fork']['restore_s'] or [0])[-1] * 1e3:.0f} ms, cold {out['cold']['restore_s'][-1] * 1e3:.0f} ms,"
+                  f" load {loads[-1][0]:.1f}", flush=True)
             print(f"  {scenario} run {i + 1}/{runs}: belayer frozen {ck.frozen_s * 1e3:.0f} ms, total "
                   f"{ck.total_s * 1e3:.0f} ms, restore {out['belayer']['restore_s'][-1] * 1e3:.0f} ms, pre-staged "
                   f"{out['prestaged']['restore_s'][-1] * 1e3:.0f} ms (prestage {out['prestaged']['prestage_s'][-1] * 1e3:.0f}"
@@ -142,8 +214,9 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> di
                   f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
                   flush=True)
     finally:
-        fence(client, sb.name)
-        fence(client, f"{sb.name}-dk")
+        fence(client, sb.name, background=False)
+        for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
+            fence(client, c["Names"][0].lstrip("/"), background=False)
         for image in images:  # removal is slow under load: after the timed part
             try:
                 client.api.remove_image(image, force=True)
@@ -155,7 +228,8 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore) -> di
 def summarize(samples: list[float]) -> dict:
     s = sorted(samples)
     pct = lambda q: s[min(len(s) - 1, round(q * (len(s) - 1)))]  # noqa: E731
-    return {"p50": statistics.median(s), "p95": pct(0.95), "min": s[0], "max": s[-1], "n": len(s)}
+    return {"p50": statistics.median(s), "p90": pct(0.90), "p95": pct(0.95), "min": s[0], "max": s[-1],
+            "n": len(s)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -165,15 +239,17 @@ def plot(result: dict, path: Path) -> None:
     if plt is None:
         return
     metrics = ["frozen_s", "total_s", "restore_s"]
-    fig, axes = plt.subplots(1, len(result["scenarios"]), figsize=(11, 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(result["scenarios"]), figsize=(13, 4.5), squeeze=False)
     axes = axes[0]
     for ax, (scen, data) in zip(axes, result["scenarios"].items(), strict=False):
         x = range(len(metrics))
+        w = 0.8 / len(METHODS)
         for j, method in enumerate(METHODS):
             vals = [data[method].get(m, {}).get("p50", 0) * 1e3 for m in metrics]
-            ax.bar([k + j * 0.2 for k in x], vals, width=0.2, label=LABELS[method])
-        ax.set_xticks([k + 0.3 for k in x], metrics)
-        ax.set_title(f"{scen} (p50, ms)")
+            ax.bar([k + j * w for k in x], vals, width=w, label=LABELS[method])
+        ax.set_xticks([k + 0.4 - w / 2 for k in x], metrics)
+        ax.set_title(f"{scen} (p50, ms, log scale)")
+        ax.set_yscale("log")
         ax.set_ylabel("ms")
     axes[0].legend()
     fig.tight_layout()
@@ -184,19 +260,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--scenarios", default="idle,heavy")
+    ap.add_argument("--fork-n", type=int, default=8, help="sandboxes per fork (0: no fork measurement)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint_bench.json"))
     args = ap.parse_args()
     client = connect()
+    run_id = uuid.uuid4().hex[:8]
     store_dir = Path(tempfile.mkdtemp(prefix="belayer-bench-", dir="/var/tmp"))
     store = CheckpointStore(store_dir, keep=2)
     result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                        "loadavg_start": os.getloadavg(), "docker": client.version()["Version"],
                        "criu": subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout.split()[1],
-                       "store": str(store_dir)},
-              "runs": args.runs, "scenarios": {}}
+                       "store": str(store_dir), "run_id": run_id, "loadavg": []},
+              "runs": args.runs, "fork_n": args.fork_n, "scenarios": {},
+              "note": "the machine was shared with other agents' work: see host.loadavg (1/5/15-min, "
+                      "after every run); figures under load are meaningful side by side, as ratios"}
     try:
         for scen in args.scenarios.split(","):
-            raw = run_scenario(client, scen, args.runs, store)
+            raw = run_scenario(client, scen, args.runs, store, run_id, args.fork_n, result["host"]["loadavg"])
             result["scenarios"][scen] = {m: {k: summarize(v) for k, v in d.items() if v} for m, d in raw.items()}
             result["scenarios"][scen]["raw"] = raw
     finally:
@@ -211,7 +291,7 @@ def main() -> int:
         for m in METHODS:
             cells = "  ".join(f"{k} p50 {v['p50'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
                               f"{'ms' if k != 'size_bytes' else 'MB'} p95 {v['p95'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
-                              for k, v in data[m].items())
+                              for k, v in data.get(m, {}).items())
             print(f"  {LABELS[m]:22} {cells}")
     print(f"\nwrote {out}")
     return 0

@@ -19,6 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (default 0)")
     p.add_argument("--checkpoint-every", type=int, default=2, metavar="K",
                    help="checkpoint every K-th action boundary (default 2)")
+    p.add_argument("--standby", action="store_true",
+                   help="keep a standby sandbox (pre-restored, frozen); faults also hit its preparation and thaw")
     p.add_argument("--out", metavar="FILE", help="append each trial as a JSON line to FILE (long runs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = run_consistency(args.trials, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                                 progress=progress)
+                                 standby=args.standby, progress=progress)
     finally:
         if out is not None:
             out.close()

@@ -43,10 +43,17 @@ RUNNING_TIMEOUT_S = 30.0
 
 
 def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client: docker.DockerClient | None = None,
-                 phase_hook: PhaseHook | None = None) -> DockerSandbox:
-    """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it."""
+                 phase_hook: PhaseHook | None = None, name: str | None = None,
+                 use_staged: bool = True) -> DockerSandbox:
+    """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
+
+    ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
+    ``fork`` and the standby use). ``use_staged=False`` leaves a pre-staged copy for the
+    sandbox's own restore.
+    """
     hook = phase_hook or no_hook
     ck = checkpoint
+    target = name or ck.sandbox
     try:
         data, digest = read_manifest_digest(Path(ck.path))
     except ValueError as e:
@@ -57,7 +64,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     client = client or connect(ck.config.docker_host)
     tmp = prestaging.docker_tmp(client)
     prestaging.clean_dead_staging(tmp)
-    staged = prestaging.claim(client, ck, digest) if ck.has_runtime else None
+    staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged else None
     if staged is not None:  # pre-staged and verified against this very manifest
         hook(Phase.STAGED)
         fs = _Staged.ready(ck, "file-system layer", staged / "layer")
@@ -74,13 +81,17 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         for part in (fs, images):
             if part is not None:
                 part.verified()  # before anything touches the sandbox of that name
-        fenced = fence.kill(client, ck.sandbox)
-        cid = _create(client, ck, data)
+        fenced = fence.kill(client, target)
+        cid = _create(client, ck, data, target)
         hook(Phase.CREATED)
         fs.move_to(_upper(client, cid))
         hook(Phase.LAYER_INSTALLED)
         if images is not None:
-            images.move_to(Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME)
+            images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
+            images.move_to(images_dir)
+            # Docker uploads the directory to containerd's content store by digest: two
+            # restores of one checkpoint at once (fork) would collide ("already exists")
+            (images_dir / "belayer-nonce").write_text(uuid.uuid4().hex)
             hook(Phase.RUNTIME_VERIFIED)
             try:
                 runtime.start_from(client, cid, RESTORE_NAME)
@@ -91,7 +102,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                     raise RestoreFailed(f"checkpoint {ck.id}: CRIU restore failed: {_short(e)}",
                                         checkpoint=ck.id) from e
                 degraded = True
-                cid = _create(client, ck, data)
+                cid = _create(client, ck, data, target)
                 layer.install(Path(ck.path) / "layer.tar", _upper(client, cid), data["files"]["layer.tar"])
         if degraded:
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
@@ -114,7 +125,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
         fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
-    sandbox = DockerSandbox.attach(cid, ck.config, ck.sandbox, client)
+    sandbox = DockerSandbox.attach(cid, ck.config, target, client)
     sandbox.restored_from = ck.id
     sandbox.degraded = degraded
     return sandbox
@@ -179,10 +190,10 @@ class _Staged:
 
 
 
-def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any]) -> str:
+def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str) -> str:
     """A created (not started) container with the checkpoint's settings and exact image."""
     config = ck.config.model_copy(update={"image": data.get("image_id") or ck.config.image})
-    return create_container(client, config, ck.sandbox).id
+    return create_container(client, config, name).id
 
 
 def _upper(client: docker.DockerClient, cid: str) -> Path:

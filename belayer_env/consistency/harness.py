@@ -7,6 +7,9 @@ fault placed uniformly: during an action (a random action, a random instant with
 fault-free duration, a random kind of kill), during a checkpoint (a random capture, a
 random instant within its fault-free duration, or a crash at a random phase), or during a
 restore (an action is killed to cause one, then the restore dies at a random phase).
+With ``standby=True`` the env keeps a standby (checkpoint/standby.py) and a fourth kind of
+fault hits it: while it is prepared (``standby_frozen``) or while a rollback thaws it
+(``standby_thawed``; an action is killed to cause that rollback).
 A trial passes iff its final state equals the golden one and every effect happened
 exactly once. A trial that cannot finish is a counterexample too, never skipped.
 """
@@ -24,10 +27,12 @@ from belayer.errors import InfraError
 from belayer_env.consistency.workload import ACTIONS, N_STEPS, SETUP, exactly_once_violations, probe
 from belayer_env.env import EnvConfig, RecoverableSandboxEnv
 from belayer_env.faults import ACTION_FAULTS, FaultInjector
-from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES
+from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
 from belayer_env.policy import AlwaysPolicy
 
-Where = Literal["action", "checkpoint", "restore"]
+Where = Literal["action", "checkpoint", "restore", "standby"]
+STANDBY_PHASES = (Phase.STANDBY_FROZEN, Phase.STANDBY_THAWED)
+STANDBY_WAIT_S = 120.0
 INFRA_WORDS = ("SandboxLost", "DaemonUnavailable", "RestoreFailed", "CheckpointFailed", "InjectedFault",
                "Docker", "docker", "container", "Traceback", "fail-stop")
 MAX_CALLS = 6 * N_STEPS  # a trial that needs more step calls than this is not converging
@@ -74,13 +79,13 @@ class _Golden(BaseModel):
     duration_s: float
 
 
-def _make_env(checkpoint_every: int) -> RecoverableSandboxEnv:
+def _make_env(checkpoint_every: int, standby: bool = False) -> RecoverableSandboxEnv:
     policy = AlwaysPolicy(every=checkpoint_every)
-    return RecoverableSandboxEnv(EnvConfig(keep_checkpoints=N_STEPS), checkpoint_policy=policy)
+    return RecoverableSandboxEnv(EnvConfig(keep_checkpoints=N_STEPS, standby=standby), checkpoint_policy=policy)
 
 
-def _golden(checkpoint_every: int) -> _Golden:
-    env = _make_env(checkpoint_every)
+def _golden(checkpoint_every: int, standby: bool = False) -> _Golden:
+    env = _make_env(checkpoint_every, standby)
     t0 = time.monotonic()
     try:
         env.reset(options={"setup": SETUP})
@@ -100,8 +105,8 @@ def _golden(checkpoint_every: int) -> _Golden:
         env.close()
 
 
-def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int) -> Fault:
-    where: Where = rng.choice(["action", "checkpoint", "restore"])
+def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int, standby: bool = False) -> Fault:
+    where: Where = rng.choice(["action", "checkpoint", "restore", *(["standby"] if standby else [])])
     if where == "action":
         step = rng.randint(1, N_STEPS)
         return Fault(where=where, step=step, kind=rng.choice(ACTION_FAULTS),
@@ -111,6 +116,9 @@ def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int) -> F
         if rng.random() < 0.5:
             return Fault(where=where, step=step, kind="kill", delay_s=rng.uniform(0, max(golden.capture_s)))
         return Fault(where=where, step=step, kind=rng.choice(["kill", "raise"]), phase=rng.choice(CAPTURE_PHASES))
+    if where == "standby":  # armed once the capture of ``step`` starts; its standby follows
+        step = rng.choice([s for s in range(1, N_STEPS) if s % checkpoint_every == 0])
+        return Fault(where=where, step=step, kind=rng.choice(["kill", "raise"]), phase=rng.choice(STANDBY_PHASES))
     step = rng.randint(checkpoint_every + 1, N_STEPS)  # a checkpoint exists: a real restore
     phase = rng.choice(RESTORE_PHASES)
     return Fault(where=where, step=step, kind="raise" if phase == "created" else rng.choice(["kill", "raise"]),
@@ -128,6 +136,9 @@ class _Injector:
 
     def before_call(self, committed: int, call: int) -> None:
         f = self.fault
+        if f.where == "standby":
+            self._cause_thaw(committed)
+            return
         if self.fired or committed + 1 != f.step:
             return
         if f.where == "action":
@@ -135,11 +146,29 @@ class _Injector:
         elif f.where == "restore" and not self._caused:
             self._caused = True
             self.env.settle()  # let the newest capture publish, so recovery really restores it
+            if self.env.checkpointer.standby is not None:
+                self.env.checkpointer.standby.discard()  # ...rather than promote a standby ("standby" trials do)
             self.faults.arm("restore", f.phase, f.kind)  # type: ignore[arg-type]
             self.faults.fire("kill")  # the action dies at once: recovery must restore...
 
+    def _cause_thaw(self, committed: int) -> None:
+        """A thaw fault needs a rollback onto the standby: kill the action after its checkpoint."""
+        f = self.fault
+        if self.fired or self._caused or f.phase != Phase.STANDBY_THAWED or committed != f.step:
+            return
+        self._caused = True
+        self.env.settle()  # the capture publishes, its standby is prepared...
+        standby = self.env.checkpointer.standby
+        deadline = time.monotonic() + STANDBY_WAIT_S
+        while standby is not None and not (standby.ready() or standby.error) and time.monotonic() < deadline:
+            time.sleep(0.05)  # bounded poll of a background thread's state, not a sleep as synchronisation
+        self.faults.fire("kill")  # ...and the rollback that thaws it is caused here
+
     def after_call(self, committed: int) -> None:
         f = self.fault
+        if not self.fired and f.where == "standby" and committed == f.step:
+            self.faults.arm("restore", f.phase, f.kind)  # type: ignore[arg-type]
+            return
         if self.fired or f.where != "checkpoint" or committed != f.step:
             return
         if f.phase is None:
@@ -150,7 +179,7 @@ class _Injector:
     @property
     def fired(self) -> bool:
         """Whether the planned fault fired (a restore fault: the phase failure, not its cause)."""
-        if self.fault.where == "restore":
+        if self.fault.where in ("restore", "standby"):
             return any(r["kind"] == "restore_fail" for r in self.faults.injected)
         return bool(self.faults.injected)
 
@@ -158,8 +187,9 @@ class _Injector:
         self.faults.cancel()
 
 
-def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int) -> TrialResult:
-    env = _make_env(checkpoint_every)
+def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
+              standby: bool = False) -> TrialResult:
+    env = _make_env(checkpoint_every, standby)
     injector = _Injector(env, fault)
     t0 = time.monotonic()
     result = TrialResult(trial=trial, fault=fault, ok=False)
@@ -220,15 +250,17 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int) 
     return result
 
 
-def run_consistency(trials: int, *, seed: int = 0, checkpoint_every: int = 2,
+def run_consistency(trials: int, *, seed: int = 0, checkpoint_every: int = 2, standby: bool = False,
                     progress: Callable[[TrialResult], None] | None = None) -> ConsistencyReport:
-    """Golden run, then ``trials`` faulty trials; counterexamples are reported, never hidden."""
+    """Golden run, then ``trials`` faulty trials; counterexamples are reported, never hidden.
+
+    ``standby``: the env keeps a standby and faults also hit its preparation and thaw."""
     t0 = time.monotonic()
     rng = random.Random(seed)
-    golden = _golden(checkpoint_every)
+    golden = _golden(checkpoint_every, standby)
     results = []
     for i in range(trials):
-        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every), golden, checkpoint_every)
+        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every, standby), golden, checkpoint_every, standby)
         results.append(r)
         if progress:
             progress(r)

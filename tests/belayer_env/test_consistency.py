@@ -10,6 +10,7 @@ from belayer_env.consistency.workload import ACTIONS, SETUP, exactly_once_violat
 from belayer_env.env import RecoverableSandboxEnv
 
 CI_TRIALS = 30
+STANDBY_TRIALS = 12
 
 
 def test_thirty_faulty_trials_converge_to_the_golden_state():
@@ -44,3 +45,12 @@ def test_cli_json(capsys):
     assert main(["consistency", "--trials", "1", "--seed", "3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["trials"] == 1 and report["passed"] == 1 and report["counterexamples"] == []
+
+
+def test_trials_with_the_standby_path_on_converge():
+    """Standby on: faults also hit its preparation and its thaw; zero counterexamples."""
+    report = run_consistency(STANDBY_TRIALS, seed=15, standby=True)
+    details = [(r.fault.model_dump(), r.problems, r.events) for r in report.counterexamples]
+    assert report.passed == STANDBY_TRIALS and not report.counterexamples, json.dumps(details, indent=1)[:6000]
+    assert report.by_where.get("standby", 0) >= 1
+    assert report.faults_fired >= STANDBY_TRIALS * 0.9

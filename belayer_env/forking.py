@@ -1,0 +1,97 @@
+"""``fork``: N independent sandboxes from one checkpoint, all at its boundary.
+
+For GRPO groups that share a prefix and for tree search: every fork is a full restore of
+the same checkpoint (its file-system layer and every process, CRIU) under a sandbox name
+of its own, so each one is prefix-consistent with the checkpoint and fenced, labelled and
+reaped (``belayer gc``) like any other sandbox. Forks run their restores side by side.
+
+Sharing: the CRIU images are hardlinked from the store into every fork (read only); the
+writable layer is unpacked once per fork, because overlay writes into the upperdir in
+place, so a layer shared by hardlinks would leak one fork's writes into the others.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import docker
+
+from belayer.errors import UsageError
+from belayer_env.checkpoint.manifest import Checkpoint
+from belayer_env.checkpoint.restore import full_restore
+from belayer_env.docker_api import connect
+from belayer_env.fence import fence
+from belayer_env.sandbox import DockerSandbox
+
+if TYPE_CHECKING:
+    from belayer_env.env import RecoverableSandboxEnv
+
+MAX_FORKS = 64
+SETTLE_S = 60.0
+
+
+def fork_name(checkpoint: Checkpoint, index: int) -> str:
+    return f"{checkpoint.sandbox}-fork{index}-{uuid.uuid4().hex[:8]}"
+
+
+def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
+         names: list[str] | None = None, parallel: int = 8) -> list[DockerSandbox]:
+    """Restore ``checkpoint`` ``n`` times into new sandboxes; all or none.
+
+    Raises ``RestoreFailed`` (the first failure) after fencing every fork already made; the
+    sandbox the checkpoint was taken from is never touched.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_FORKS:
+        raise UsageError(f"n must be an int in 1..{MAX_FORKS}, got {n!r}")
+    if names is not None and (len(names) != n or len(set(names)) != n or checkpoint.sandbox in names):
+        raise UsageError("names must be n distinct sandbox names, none the checkpoint's own")
+    client = client or connect(checkpoint.config.docker_host)
+    names = names or [fork_name(checkpoint, i) for i in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, n)),
+                                               thread_name_prefix="belayer-fork") as pool:
+        futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False)
+                   for name in names]
+        concurrent.futures.wait(futures)
+    forks = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for name in names:  # all or none: a partial group is not a group
+            with contextlib.suppress(Exception):
+                fence(client, name, background=False)
+        raise failed[0]
+    return forks
+
+
+def fork_env(env: RecoverableSandboxEnv, n: int) -> list[RecoverableSandboxEnv]:
+    """``n`` envs at ``env``'s current boundary k, each with a sandbox forked from k.
+
+    Boundary k's checkpoint is the newest ready one if it is k's, else one taken now (and
+    kept by ``env``, which may restore it too). Each fork copies the trajectory, task,
+    setup and policy state; it starts with no checkpoints of its own (a failure before
+    its first one rolls it back to boundary 0, still prefix-consistent) and is closed by
+    its caller like any env.
+    """
+    from belayer_env.env import RecoverableSandboxEnv
+
+    if env.sandbox is None or env._done:
+        raise UsageError("fork() needs a running episode: call reset() first")
+    k = len(env.trajectory.steps)
+    ck = env.checkpointer.boundary_checkpoint(env.sandbox, k, SETTLE_S)
+    names = [env._new_name() for _ in range(n)]
+    sandboxes = fork(ck, n, client=env.client, names=names)
+    children = []
+    for sandbox in sandboxes:
+        child = RecoverableSandboxEnv(env.config, checkpoint_policy=copy.deepcopy(env.policy),
+                                      reward=env.reward_fn, client=env.client)
+        child.sandbox, child.name = sandbox, sandbox.name
+        child._episode_config, child._setup = env._episode_config, list(env._setup)
+        child.trajectory = env.trajectory.model_copy(deep=True)
+        child.last_result = dict(env.last_result)
+        child._done, child._last_return = False, time.monotonic()
+        children.append(child)
+    return children

@@ -1,0 +1,40 @@
+"""The checkpoint benchmark runs again and again on one machine and leaves nothing behind.
+
+Real Docker + CRIU: two back-to-back runs (every method, fork included) must both succeed
+(an earlier version crashed at its second run: "content sha256:... already exists" from
+containerd), and neither may leave a container, a Docker image or a checkpoint store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
+    from belayer_env.checkpoint import runtime
+
+    if why := runtime.available():
+        pytest.skip(f"CRIU checkpoints unavailable: {why}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for i in range(2):
+        out = tmp_path / f"run{i}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint_bench.py"), "--runs", "1",
+                               "--scenarios", "idle", "--fork-n", "2", "--out", str(out)],
+                              capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        result = json.loads(out.read_text())
+        run_id = result["host"]["run_id"]
+        idle = result["scenarios"]["idle"]
+        assert {m for m in idle if m != "raw"} == {"belayer", "prestaged", "standby", "fork", "docker", "cold"}
+        assert idle["fork"]["restore_s"]["n"] == 1 and idle["standby"]["restore_s"]["n"] == 1
+        assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})
+        assert not docker_client.api.images(name=f"belayer-bench:{run_id}-*")
+        assert not Path(result["host"]["store"]).exists()

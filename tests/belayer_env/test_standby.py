@@ -1,0 +1,144 @@
+"""The standby sandbox: the newest checkpoint pre-restored, frozen; rollback = fence + thaw + verify.
+
+Real containers and CRIU. The properties: a prepared standby stays frozen (it cannot
+diverge); promoting it gives exactly the checkpoint's boundary (memory of a live server, an
+unbroken append-only log, no file written after the checkpoint); the failed sandbox is
+fenced; faults while preparing or thawing fall back to the usual restore, still consistent.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from belayer_env import freezer
+from belayer_env.checkpoint import full_checkpoint
+from belayer_env.checkpoint.standby import Standby
+from belayer_env.env import EnvConfig
+from belayer_env.faults import FaultInjector, InjectedFault, kill_container
+from belayer_env.fence import sandbox_containers
+from belayer_env.gc import list_managed
+from belayer_env.phases import Phase
+from belayer_env.policy import AdaptivePolicy, AlwaysPolicy, NeverPolicy
+from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
+from tests.belayer_env.conftest_env import assert_no_infra_text
+from tests.belayer_env.test_env_recovery import BUMP, COUNTER
+from tests.conftest import wait_until
+
+GIB = 1 << 30
+
+
+def _running(client, name: str) -> list[str]:
+    return [c["Id"] for c in sandbox_containers(client, name, by_name=True) if c.get("State") == "running"]
+
+
+def test_standby_is_frozen_and_promotes_to_the_checkpoint(make_sandbox, ck_store, docker_client):
+    sb = make_sandbox()
+    start_counter(sb)
+    start_server(sb)
+    h0 = http_get(sb)
+    ck = full_checkpoint(sb, ck_store, 1)
+    standby = Standby(docker_client)
+    standby.prepare(ck)
+    wait_until(lambda: standby.ready() or standby.error, 120, "standby prepared")
+    assert standby.error is None, standby.error
+    cid = standby._sandbox.container_id
+    assert freezer.is_frozen(cid) and docker_client.api.inspect_container(cid)["State"]["Paused"]
+    managed = {c.id: c for c in list_managed(docker_client)}
+    assert cid in managed and not managed[cid].orphaned  # labelled, owned: gc reaps it if we die
+    # the live sandbox moves on past the checkpoint, then fails
+    assert sb.execute("echo late > /late")["returncode"] == 0
+    assert http_get(sb) == h0 + 1
+    old = sb.container_id
+    promoted = standby.promote(ck, sb.name)
+    assert promoted is not None and promoted.container_id == cid and promoted.name == sb.name
+    assert promoted.restored_from == ck.id and not freezer.is_frozen(cid)
+    assert _running(docker_client, sb.name) == [cid]  # the failed one is fenced
+    assert old not in [c["Id"] for c in sandbox_containers(docker_client, sb.name, by_name=True)
+                       if c.get("State") == "running"]
+    assert http_get(promoted) == h0 + 1  # the server's memory is the checkpoint's
+    assert promoted.execute("ls /late")["returncode"] != 0
+    n, unbroken = log_state(promoted)
+    assert unbroken and n > 0
+    assert standby.promote(ck, sb.name) is None  # consumed
+
+
+def test_standby_of_another_checkpoint_is_not_used(make_sandbox, ck_store, docker_client):
+    sb = make_sandbox()
+    ck1 = full_checkpoint(sb, ck_store, 1)
+    ck2 = full_checkpoint(sb, ck_store, 2)
+    standby = Standby(docker_client)
+    standby.prepare(ck1)
+    wait_until(lambda: standby.ready() or standby.error, 120, "standby prepared")
+    name = standby._name
+    assert standby.promote(ck2, sb.name) is None
+    assert sb.is_alive()  # nothing fenced
+    standby.discard()
+    assert not sandbox_containers(docker_client, name, by_name=True)
+
+
+def test_env_rollback_onto_the_standby(make_env, docker_client):
+    env = make_env(config=EnvConfig(standby=True), checkpoint_policy=AlwaysPolicy(every=2))
+    env.reset(options={"task": "t"})
+    env.step(COUNTER)
+    env.step(BUMP.format(n=1))  # boundary 2: checkpoint, then a standby of it
+    env.settle()
+    standby = env.checkpointer.standby
+    wait_until(lambda: standby is not None and (standby.ready() or standby.error), 120, "standby prepared")
+    assert standby.error is None and standby.checkpoint.step == 2
+    standby_id = standby._sandbox.container_id
+    env.step("echo after > /after")
+    kill_container(docker_client, env.sandbox.container_id)
+    obs, _, _, _, info = env.step("echo lost > /lost")
+    assert info["belayer"]["rollback"] == {"to_step": 2, "reason": "SandboxLost"}
+    assert_no_infra_text(obs)
+    assert env.sandbox.container_id == standby_id
+    assert [e.kind for e in env.trajectory.events if e.kind.startswith("standby")][-1] == "standby_promoted"
+    out = env.step(f"{BUMP.format(n=2)}; echo; ls /after /lost 2>&1")[0]
+    assert "<output>\n2\n" in out, out  # the process's memory continued from boundary 2
+    assert "'/after': No such file" in out and "'/lost': No such file" in out
+    assert _running(docker_client, env.name) == [standby_id]
+
+
+@pytest.mark.parametrize("phase", [Phase.STANDBY_FROZEN, Phase.STANDBY_THAWED])
+def test_faults_in_standby_fall_back_to_a_consistent_restore(make_env, docker_client, phase):
+    env = make_env(config=EnvConfig(standby=True), checkpoint_policy=AlwaysPolicy(every=2))
+    env.reset(options={"task": "t"})
+    faults = FaultInjector(env)
+    try:
+        faults.arm("restore", phase, "raise")
+        env.step(COUNTER)
+        env.step(BUMP.format(n=1))
+        env.settle()
+        standby = env.checkpointer.standby
+        wait_until(lambda: standby is not None and (standby.ready() or standby.error), 120, "standby settled")
+        if phase == Phase.STANDBY_FROZEN:
+            assert isinstance(standby.error, InjectedFault) and not standby.ready()
+        env.step("echo after > /after")
+        kill_container(docker_client, env.sandbox.container_id)
+        obs, _, _, _, info = env.step("echo lost > /lost")
+        assert info["belayer"]["rollback"] == {"to_step": 2, "reason": "SandboxLost"}
+        assert_no_infra_text(obs)
+        assert any(r["kind"] == "restore_fail" and r["phase"] == phase for r in faults.injected)
+        assert "standby_promoted" not in [e.kind for e in env.trajectory.events]
+        out = env.step(f"{BUMP.format(n=2)}; echo; ls /after /lost 2>&1")[0]
+        assert "<output>\n2\n" in out, out
+        assert "'/after': No such file" in out and "'/lost': No such file" in out
+        assert len(_running(docker_client, env.name)) == 1
+        assert not [c for c in list_managed(docker_client) if "-standby-" in c.name and env.name in c.name
+                    and c.status == "running"]
+    finally:
+        faults.close()
+
+
+def test_policy_standby_cost_model():
+    assert not NeverPolicy().wants_standby(1 << 20, 100 * GIB)
+    assert AlwaysPolicy().wants_standby(1 << 20, 100 * GIB)
+    assert not AlwaysPolicy().wants_standby(1 << 20, None)  # unknown memory: short
+    assert not AlwaysPolicy().wants_standby(2 * GIB, 2 * GIB)  # would leave less than the reserve
+    quiet = AdaptivePolicy(failure_rate=0.001)
+    assert not quiet.wants_standby(1 << 20, 100 * GIB)  # failures too rare to pay its background restore
+    flaky = AdaptivePolicy(failure_rate=0.2)
+    assert flaky.wants_standby(1 << 20, 100 * GIB)
+    assert not flaky.wants_standby(100 * GIB, 100 * GIB)  # off where memory is short
+    flaky.observe_standby(0.04)  # a standby that saves nothing over its own rollback
+    assert not flaky.wants_standby(1 << 20, 100 * GIB)
