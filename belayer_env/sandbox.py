@@ -106,11 +106,12 @@ drained() {
   done
 }
 kill -0 -- "-$pid" 2>/dev/null || exec 5>&-
-i=0
-until read -t 0.02 -u 6 _; do
+i=0 eof=
+until read -t 0.02 -u 6 _ && eof=1; do
   drained && break
   i=$((i + 1)); [ "$i" -ge 150 ] && break
 done
+[ -n "$eof" ] && wait "$dp"  # it has signalled its end: let it exit, so its staging goes now
 exec 5>&- 8>&-
 sz() { stat -c %s "$1" 2>/dev/null || echo 0; }  # 0 when the command removed our files
 for _ in 1 2 3; do
