@@ -181,10 +181,6 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self.checkpointer.before_step(k)
         try:
             result = self.sandbox.execute(action, cwd=cwd, timeout=timeout)
-            if result["returncode"] == 126 and not result["output"].strip():
-                # the exec never started (Docker's 126) and its error text was lost with the
-                # stream: nothing the command did, so it is not the agent's outcome
-                raise SandboxLost(f"exec in sandbox {self.name} could not start (exit 126, no output)")
             if (result["returncode"] >= 128 or result["returncode"] == 126) and not result.get("timed_out"):
                 self._confirm_alive()
             output = result["output"]

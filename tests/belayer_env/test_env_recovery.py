@@ -102,7 +102,7 @@ def test_broken_exec_transport_fences_the_old_container(make_env, docker_client)
 
 
 def test_stream_cut_at_exec_start_is_not_an_agent_outcome(make_env):
-    """Docker then reports exit 126 with no output although the command ran: infra, rolled back."""
+    """The sandbox reports a cut stream as SandboxLost (never Docker's bare 126): rolled back."""
     env = make_env(checkpoint_policy="never")
     breaker = TransportBreaker(env.client)
     env.reset()
@@ -110,6 +110,18 @@ def test_stream_cut_at_exec_start_is_not_an_agent_outcome(make_env):
     obs, _r, _te, _tr, info = env.step("echo effect > /effect")
     assert info["belayer"]["rollback"]["to_step"] == 0
     assert "No such file" in env.step("cat /effect 2>&1")[0]
+
+
+def test_a_command_that_exits_126_silently_is_the_agents_outcome(make_env):
+    """Exit 126 with no output is what the command did (the sandbox tells a failed exec apart
+    itself): returned to the agent, not rolled back."""
+    env = make_env(checkpoint_policy="never")
+    env.reset()
+    env.step("echo kept > /kept")
+    obs, _r, _te, _tr, info = env.step("exit 126")
+    assert "rollback" not in info["belayer"], info
+    assert "126" in obs, obs
+    assert env.step("cat /kept")[0].endswith("<output>\nkept\n</output>")
 
 
 def test_oom_and_killed_processes_are_infra_failures(make_env, docker_client):
