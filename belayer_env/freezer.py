@@ -52,19 +52,26 @@ def is_frozen(container_id: str) -> bool:
 
 def thaw(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
     """Thaw the container's cgroup; True once it is thawed (or gone), False if it stays frozen."""
+    return _write_until(container_id, ("THAWED", "0"), lambda path: not is_frozen(container_id),
+                        gone=True, wait_s=wait_s)
+
+
+def _write_until(container_id: str, values: tuple[str, str], reached, gone: bool, wait_s: float) -> bool:
+    """Write the freezer's control file (v1 value, v2 value) until ``reached(path)``; ``gone``
+    is the answer when the cgroup disappears meanwhile (no such cgroup here: True)."""
     path = control_file(container_id)
     if path is None:
         return True
-    value = "THAWED" if path.name == "freezer.state" else "0"
+    value = values[0] if path.name == "freezer.state" else values[1]
     deadline = time.monotonic() + wait_s
     while True:
         try:
             path.write_text(value)
         except FileNotFoundError:
-            return True  # the cgroup went away with its container
+            return gone
         except OSError:
             return False
-        if not is_frozen(container_id):
+        if reached(path):
             return True
         if time.monotonic() > deadline:
             return False
@@ -84,18 +91,4 @@ def _fully_frozen(path: Path) -> bool:
 def freeze(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
     """Freeze the container's cgroup; True once it is frozen (or there is no such cgroup here),
     False if it is gone or does not freeze within ``wait_s``."""
-    path = control_file(container_id)
-    if path is None:
-        return True
-    value = "FROZEN" if path.name == "freezer.state" else "1"
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            path.write_text(value)
-        except OSError:
-            return False
-        if _fully_frozen(path):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
+    return _write_until(container_id, ("FROZEN", "1"), _fully_frozen, gone=False, wait_s=wait_s)
