@@ -10,8 +10,9 @@
 #   - flashinfer 0.6.15.post1: drop data/cutlass and data/cccl only (its norm JIT needs
 #     data/csrc and data/include; the whole wheel ran there, this slim one compiled the norm
 #     kernel with nvcc 13.0 on a CPU machine)
-# Output: OUT (default build/sglang-gpu-bundle/) with the wheels, under the 64 MiB a device
-# run can carry. On the device: `python3 -m zipfile -e` each wheel into one folder, put it
+# Output: OUT (default build/sglang-gpu-bundle/) with the wheels, and OUT-extra with aiohttp
+# and its small dependencies (the engine's own; together they pass the 64 MiB one device call
+# carries, so they travel in two calls). openai stays below 2 (the newest imports httpx2). On the device: `python3 -m zipfile -e` each wheel into one folder, put it
 # on PYTHONPATH, then `python3 -m compileall -q` it once.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,9 +25,9 @@ PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp
 WHEELS=(
   sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1
   transformers==5.12.1 tokenizers==0.22.2 apache-tvm-ffi "pydantic==2.14.*" pydantic-core fastapi starlette
-  uvicorn pyzmq orjson msgspec pybase64 setproctitle partial_json_parser python-multipart
+  typing_inspection annotated_types uvicorn pyzmq orjson msgspec pybase64 setproctitle partial_json_parser python-multipart
   interegular dill compressed-tensors gguf loguru jsonschema referencing rpds-py
-  jsonschema-specifications xgrammar==0.2.7 soundfile cffi pycparser openai jiter distro sniffio
+  jsonschema-specifications xgrammar==0.2.7 soundfile cffi pycparser "openai==1.109.1" jiter distro sniffio
   "typing_extensions>=4.16" annotated-doc opentelemetry-api ipython traitlets pygments decorator
   matplotlib-inline prompt_toolkit wcwidth stack_data executing asttokens pure_eval pexpect
   ptyprocess ipython-pygments-lexers
@@ -65,3 +66,10 @@ for whl in sorted(dl.glob("*.whl")):
     total += target.stat().st_size
 print(f"    {len(list(out.glob('*.whl')))} wheels, {total / 2**20:.1f} MiB")
 PYEOF
+
+EXTRA=${OUT%/}-extra
+mkdir -p "$EXTRA"
+echo "==> aiohttp and its dependencies (the engine's own) into $EXTRA"
+pip download --disable-pip-version-check -q --no-deps "${PLATFORM[@]}" -d "$EXTRA" \
+  aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
+echo "    $(ls "$EXTRA" | wc -l) wheels, $(du -sm "$EXTRA" | cut -f1) MiB"
