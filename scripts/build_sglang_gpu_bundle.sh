@@ -12,7 +12,8 @@
 #     kernel with nvcc 13.0 on a CPU machine)
 # Output: OUT (default build/sglang-gpu-bundle/) with the wheels, and OUT-extra with aiohttp
 # and its small dependencies (the engine's own; together they pass the 64 MiB one device call
-# carries, so they travel in two calls). openai stays below 2 (the newest imports httpx2). On the device: `python3 -m zipfile -e` each wheel into one folder, put it
+# carries, so they travel in two calls). openai stays below 2 (the newest imports httpx2).
+# On the device: `python3 -m zipfile -e` each wheel into one folder, put it
 # on PYTHONPATH, then `python3 -m compileall -q` it once.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
