@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
@@ -75,6 +75,15 @@ class StrictModel(BaseModel):
         except ValidationError as e:
             raise ConfigError(f"invalid {type(self).__name__}: {describe(e)}") from e
 
+    @classmethod
+    def merged(cls, base: Self | None, overrides: dict[str, Any]) -> Self:
+        """``base`` with ``overrides`` applied, validated like a fresh config (``ConfigError``)."""
+        if base is None:
+            return cls(**overrides)
+        if not overrides:
+            return base
+        return cls(**{**base.model_dump(), **overrides})
+
 
 class SandboxConfig(StrictModel):
     """How to create a sandbox. Secure by default: no network, bounded memory/pids/CPU/disk,
@@ -108,15 +117,6 @@ class SandboxConfig(StrictModel):
     name_prefix: str = "belayer"
     docker_host: str | None = None
     """Docker daemon URL (e.g. unix:///var/run/docker.sock); None = the environment's."""
-
-    @classmethod
-    def merged(cls, base: SandboxConfig | None, overrides: dict[str, Any]) -> SandboxConfig:
-        """``base`` with ``overrides`` applied, validated like a fresh config (``ConfigError``)."""
-        if base is None:
-            return cls(**overrides)
-        if not overrides:
-            return base
-        return cls(**{**base.model_dump(), **overrides})
 
     @field_validator("cwd")
     @classmethod

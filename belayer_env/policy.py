@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from belayer_env.config import StrictModel
 
 
 @runtime_checkable
@@ -106,7 +108,7 @@ def memory_fits(memory_bytes: int, available_bytes: int | None, reserve_bytes: i
     return available_bytes is not None and available_bytes - memory_bytes >= reserve_bytes
 
 
-class AdaptivePolicyConfig(BaseModel):
+class AdaptivePolicyConfig(StrictModel):
     """Priors (used until there is data) and the knobs of the adaptive rule."""
 
     model_config = ConfigDict(extra="forbid")
@@ -144,8 +146,7 @@ class AdaptivePolicy:
 
     def __init__(self, config: AdaptivePolicyConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, **overrides: float | str):
-        base = config or AdaptivePolicyConfig()
-        self.config = base.model_copy(update=overrides) if overrides else base
+        self.config = AdaptivePolicyConfig.merged(config or AdaptivePolicyConfig(), overrides)
         self.clock = clock
         self.steps = 0
         self.failures = 0

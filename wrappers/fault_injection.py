@@ -15,13 +15,14 @@ import random
 from typing import Any
 
 import gymnasium as gym
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from belayer_env.config import StrictModel
 from belayer_env.faults import ACTION_FAULTS, FaultInjector, FaultKind, How
 from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
 
 
-class FaultInjectionConfig(BaseModel):
+class FaultInjectionConfig(StrictModel):
     model_config = ConfigDict(extra="forbid")
 
     probability: float = Field(0.0, ge=0, le=1)
@@ -37,8 +38,7 @@ class FaultInjectionConfig(BaseModel):
 class FaultInjection(gym.Wrapper):
     def __init__(self, env: gym.Env, config: FaultInjectionConfig | None = None, **overrides: Any):
         super().__init__(env)
-        base = config or FaultInjectionConfig()
-        self.config = base.model_copy(update=overrides) if overrides else base
+        self.config = FaultInjectionConfig.merged(config or FaultInjectionConfig(), overrides)
         self.rng = random.Random(self.config.seed)
         self._context = {"call": 0}
         self.injector = FaultInjector(self.env.unwrapped, context=self._context)
