@@ -25,11 +25,6 @@ ENV = "BELAYER_OWNER"
 _PR_SET_PDEATHSIG = 1
 
 
-def alive(owner: str) -> bool:
-    """True while the process named by ``OwnerId.to_label()`` text still runs."""
-    return owner_alive(owner)
-
-
 def env_for_children() -> dict[str, str]:
     return {ENV: OwnerId.current().to_label()}
 
@@ -44,12 +39,12 @@ def watch_owner(on_death: Callable[[], None], death_signal: int = signal.SIGTERM
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the watchdog thread alone
-    if not alive(owner):  # died before the death signal was armed
+    if not owner_alive(owner):  # died before the death signal was armed
         on_death()
         return owner
 
     def loop() -> None:
-        while alive(owner):
+        while owner_alive(owner):
             time.sleep(interval_s)
         on_death()
 
@@ -70,7 +65,7 @@ def orphans() -> list[tuple[int, str]]:
         for item in env.split(b"\0"):
             if item.startswith(ENV.encode() + b"="):
                 owner = item.split(b"=", 1)[1].decode(errors="replace")
-                if not alive(owner):
+                if not owner_alive(owner):
                     out.append((int(d.name), owner))
                 break
     return sorted(out)
