@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ import signal
 import statistics
 import subprocess
 import time
+import urllib.request
 from contextlib import aclosing
 from pathlib import Path
 
@@ -147,8 +149,87 @@ def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
     return runs, extra
 
 
+def measure_cold_disk(args, rng: random.Random) -> list[dict]:
+    """The baseline without Belayer: one plain SGLang server loading its weights from disk;
+    SIGKILL its process group mid-stream, start a new one, re-send. Kill -> first token of
+    the re-sent request (that restart is all a user without a shadow can do)."""
+    from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
+    from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
+    from belayer_engine.supervisor.processes import free_port
+
+    model = args.model_dir or str(ensure_embedded_model())
+    runs = []
+
+    def start() -> tuple[subprocess.Popen, str]:
+        cfg = SGLangServerConfig(model_path=model, port=free_port(), device=args.device, venv=args.sglang_venv)
+        log = open(Path(args.out) / f"cold_disk_server_{cfg.port}.log", "wb")  # noqa: SIM115 - closed with the server
+        proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        return proc, f"http://127.0.0.1:{cfg.port}"
+
+    def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"SGLang server at {url} not healthy after {timeout:.0f}s")
+
+    def stream(url: str, max_tokens: int):
+        body = json.dumps({"text": PROMPT, "stream": True, "sampling_params": {
+            "max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}).encode()
+        req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as resp:
+            for line in resp:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    yield json.loads(line[6:])
+
+    proc, url = start()
+    try:
+        wait_healthy(proc, url)
+        for _ in range(args.repeats):
+            kill_at = rng.randint(args.max_tokens // 4, args.max_tokens // 2)
+            got = 0
+            try:
+                for chunk in stream(url, args.max_tokens):
+                    got = len(chunk.get("output_ids") or [])
+                    if got >= kill_at:
+                        t_kill = time.monotonic()
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        break
+            except OSError:
+                pass
+            proc.wait()
+            proc, url = start()
+            wait_healthy(proc, url)
+            t_healthy = time.monotonic()
+            first = next(iter(stream(url, args.max_tokens - got)))
+            t_first = time.monotonic()
+            runs.append({"kill_at_client_token": kill_at, "failure_at_token": got,
+                         "kill_to_first_token_s": t_first - t_kill, "detection_s": None,
+                         "handover_path": "cold-disk", "restart_to_healthy_s": t_healthy - t_kill,
+                         "supervisor_handover_s": None, "routed_to_first_token_s": t_first - t_healthy,
+                         "breakdown": {"restart_s": t_healthy - t_kill, "first_chunk_s": t_first - t_healthy},
+                         "first_ids": len(first.get("output_ids") or [])})
+            print("cold-disk", json.dumps(runs[-1]), flush=True)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return runs
+
+
 def _backend(args) -> dict:
-    return {"backend": args.backend, "sglang_venv": args.sglang_venv} if args.backend == "sglang" else {}
+    if args.backend != "sglang":
+        return {}
+    saver = {"auto": None, "on": True, "off": False}[args.sglang_shadow_memory_saver]
+    return {"backend": "sglang", "sglang_venv": args.sglang_venv, "sglang_shadow_memory_saver": saver}
 
 
 def _tree_mib(pid: int) -> dict:
@@ -223,16 +304,30 @@ def plot(result: dict, path: Path) -> None:
     if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    labels = ["cold restart", "shadow handover"]
-    means = [result["summary"][k]["kill_to_first_token_s"]["mean"] for k in ("cold", "shadow")]
-    det = [result["summary"][k]["detection_s"]["mean"] for k in ("cold", "shadow")]
-    a.bar(labels, means, color=["#c44", "#4a4"], label="kill -> first continued token")
+    names = {"cold-disk": "restart from disk\n(no Belayer)", "cold": "cold restart\n(arena weights)",
+             "shadow": "shadow handover"}
+    modes = [m for m in names if result["summary"].get(m, {}).get("kill_to_first_token_s")]
+    labels = [names[m] for m in modes]
+    means = [result["summary"][m]["kill_to_first_token_s"]["mean"] for m in modes]
+    det = [result["summary"][m]["detection_s"].get("mean", 0.0) for m in modes]
+    colors = {"cold-disk": "#822", "cold": "#c44", "shadow": "#4a4"}
+    a.bar(labels, means, color=[colors[m] for m in modes], label="kill -> first continued token")
     a.bar(labels, det, color="#333", width=0.3, label="detection")
     a.set_yscale("log")
     a.set_ylabel("seconds (log)")
-    a.set_title(f"SIGKILL mid-stream ({result['device']}): {result['summary']['speedup']:.1f}x")
+    ratios = [f"{result['summary'][k]:.0f}x vs {w}" for k, w in (("speedup_vs_cold_disk", "disk"), ("speedup", "cold"))
+              if k in result["summary"]]
+    a.set_title(f"SIGKILL mid-stream ({result['device']}): " + ", ".join(ratios), fontsize=9)
     a.legend()
     regen = result["regenerated"]
+    mem = (result.get("shadow") or {}).get("memory") or {}
+    if not all(regen.get(k) for k in ("token", "chunk")) and mem.get("shadow_gpu_mib"):
+        b.bar(["serving worker", "shadow (idle)"], [mem["worker_gpu_mib"], mem["shadow_gpu_mib"]], color=["#48c", "#4a4"])
+        b.set_ylabel("own GPU memory, MiB (weights in the arena)")
+        b.set_title("GPU memory per SGLang server")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     if not all(regen.get(k) for k in ("token", "chunk")):
         b.set_axis_off()
         fig.tight_layout()
@@ -250,7 +345,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", choices=["reference", "sglang"], default="reference")
-    p.add_argument("--modes", default="cold,shadow", help="which of cold,shadow to run (split a long GPU run)")
+    p.add_argument("--modes", default="cold,shadow", help="which of cold,shadow,cold-disk to run (split a long GPU "
+                   "run); cold-disk: a plain SGLang server restarted from disk, the no-Belayer baseline")
+    p.add_argument("--sglang-shadow-memory-saver", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--sglang-venv", default=None)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--arena-arg", action="append", default=[], help="extra arena option (repeatable)")
@@ -272,6 +369,12 @@ def main() -> None:
     result = {"device": args.device, "backend": args.backend, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
               "runs": {}}
     for mode in args.modes.split(","):
+        if mode == "cold-disk":
+            if args.backend != "sglang":
+                p.error("--modes cold-disk is the SGLang baseline (--backend sglang)")
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            result["runs"][mode] = measure_cold_disk(args, rng)
+            continue
         result["runs"][mode], extra = measure(mode, args, rng)
         result.update({"shadow": extra} if extra else {})
     result["regenerated"] = regenerated(args, rng)
@@ -283,6 +386,9 @@ def main() -> None:
         summary[m]["breakdown_mean"] = {k: _stats([r["breakdown"].get(k) for r in result["runs"][m]]).get("mean") for k in keys}
     if {"cold", "shadow"} <= set(modes):
         summary["speedup"] = summary["cold"]["kill_to_first_token_s"]["mean"] / summary["shadow"]["kill_to_first_token_s"]["mean"]
+    if {"cold-disk", "shadow"} <= set(modes):
+        summary["speedup_vs_cold_disk"] = (summary["cold-disk"]["kill_to_first_token_s"]["mean"]
+                                           / summary["shadow"]["kill_to_first_token_s"]["mean"])
     summary["regenerated_mean"] = {k: statistics.fmean(v["regenerated"] for v in result["regenerated"][k])
                                    for k in ("token", "chunk") if result["regenerated"][k]}
     result["summary"] = summary
@@ -291,7 +397,7 @@ def main() -> None:
     tag = args.device.replace(":", "") + ("_sglang" if args.backend == "sglang" else "") + args.tag
     (out / f"engine_handover_{tag}.json").write_text(json.dumps(result, indent=2))
     try:
-        if "speedup" in summary:
+        if "speedup" in summary or "speedup_vs_cold_disk" in summary:
             plot(result, out / f"engine_handover_{tag}.png")
     except ImportError as exc:  # e.g. no matplotlib on the GPU machine: use --plot-only later
         print(f"no plot: {exc}")

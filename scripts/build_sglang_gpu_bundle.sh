@@ -33,11 +33,16 @@ WHEELS=(
   matplotlib-inline prompt_toolkit wcwidth stack_data executing asttokens pure_eval pexpect
   ptyprocess ipython-pygments-lexers
 )
-echo "==> downloading ${#WHEELS[@]} wheels (py3.12 manylinux x86_64) into $DL"
-pip download --disable-pip-version-check -q --no-deps "${PLATFORM[@]}" -d "$DL" "${WHEELS[@]}"
+# Exactly the wheels this list resolves to, in a fresh folder (the cache may hold other
+# versions of the same package: two versions unpacked into one folder would mix files).
+PICKED=$(mktemp -d)
+trap 'rm -rf "$PICKED"' EXIT
+echo "==> downloading ${#WHEELS[@]} wheels (py3.12 manylinux x86_64; cache $DL)"
+pip download --disable-pip-version-check -q --no-deps "${PLATFORM[@]}" --find-links "$DL" -d "$PICKED" "${WHEELS[@]}"
+cp -n "$PICKED"/*.whl "$DL"/
 echo "==> slimming into $OUT"
 rm -f "$OUT"/*.whl
-python3 - "$DL" "$OUT" "${WHEELS[@]}" <<'PYEOF'
+python3 - "$PICKED" "$OUT" "${WHEELS[@]}" <<'PYEOF'
 import re
 import sys
 import zipfile
@@ -70,7 +75,8 @@ PYEOF
 
 EXTRA=${OUT%/}-extra
 mkdir -p "$EXTRA"
-echo "==> aiohttp and its dependencies (the engine's own) into $EXTRA"
+echo "==> aiohttp and its dependencies (the engine's own), torch_memory_saver (the shadow's"
+echo "    memory saver: abi3, cu12 + cu13 hooks) into $EXTRA"
 pip download --disable-pip-version-check -q --no-deps "${PLATFORM[@]}" -d "$EXTRA" \
-  aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
+  aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs torch_memory_saver==0.0.10
 echo "    $(ls "$EXTRA" | wc -l) wheels, $(du -sm "$EXTRA" | cut -f1) MiB"

@@ -38,6 +38,11 @@ class WorkerBackend(Protocol):
     """One kind of inference worker (the reference worker, SGLang servers)."""
 
     name: str
+    # True when a worker keeps its KV to itself (SGLang): its shadow may serve as soon as
+    # the dead worker is SIGKILLed, without waiting for the kernel to reap it (on a GPU,
+    # tearing down a CUDA context takes ~1.5 s). False when the shadow takes over KV the
+    # old worker could still be writing (the reference worker's KV lives in the arena).
+    isolated_kv: bool
 
     def arena_argv(self, slot: SlotSpec) -> list[str]:
         """Extra arena options this backend needs (e.g. a weight-cache socket)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SupervisorConfig(BaseModel):
@@ -15,6 +15,9 @@ class SupervisorConfig(BaseModel):
 
     backend: Literal["reference", "sglang"] = Field(default="reference", description="kind of inference worker")
     sglang_venv: str | None = Field(default=None, description="SGLang venv (sglang backend); None = $BELAYER_SGLANG_VENV or /opt/belayer/sglang-venv")
+    sglang_shadow_memory_saver: bool | None = Field(
+        default=None, description="sglang backend: shadows release KV + CUDA graphs until promoted "
+                                  "(GPU, torch_memory_saver); None = where available")
 
     workers: int = Field(default=1, ge=1)
     shadow: bool = True
@@ -32,6 +35,14 @@ class SupervisorConfig(BaseModel):
     health_timeout_s: float = Field(default=5.0, gt=0)
     health_failures: int = Field(default=3, ge=1, description="consecutive failed probes that count as a stall")
 
+    @model_validator(mode="after")
+    def _sglang_options_need_sglang(self) -> SupervisorConfig:
+        if self.backend != "sglang":
+            given = [name for name in ("sglang_venv", "sglang_shadow_memory_saver") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to backend='sglang' (backend is {self.backend!r})")
+        return self
+
     def device_of(self, slot_index: int) -> str:
         if self.device == "cuda":
             return f"cuda:{slot_index}"
@@ -43,7 +54,8 @@ def make_backend(config: SupervisorConfig):
     if config.backend == "sglang":
         from belayer_engine.backends.sglang.launcher import SGLangBackend
 
-        return SGLangBackend(config.model, config.worker_args, config.sglang_venv)
+        return SGLangBackend(config.model, config.worker_args, config.sglang_venv, device=config.device,
+                             shadow_memory_saver=config.sglang_shadow_memory_saver)
     from belayer_engine.backends.reference.launcher import ReferenceBackend
 
     return ReferenceBackend(config.worker_args)

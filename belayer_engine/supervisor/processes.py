@@ -65,13 +65,19 @@ async def spawn(role: str, name: str, argv: list[str], log_path: Path, url: str 
     return Proc(role=role, name=name, process=process, log_path=log_path, url=url)
 
 
+def kill_group(proc: Proc) -> None:
+    """SIGKILL the process group: from here on none of its processes runs user code again
+    (the kernel may still be tearing them down, e.g. releasing a CUDA context)."""
+    proc.fenced = True
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: pgid == pid
+
+
 async def fence(proc: Proc, timeout: float) -> float:
     """SIGKILL the process group and wait until reaped and empty; returns seconds taken."""
     t0 = time.monotonic()
-    proc.fenced = True
-    pgid = proc.pid  # start_new_session: pgid == pid
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+    kill_group(proc)
+    pgid = proc.pid
     try:
         await asyncio.wait_for(proc.process.wait(), timeout)
     except TimeoutError:

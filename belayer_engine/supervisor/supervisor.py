@@ -3,7 +3,8 @@
 Recovery decisions for the engine half live here (the router only reports what it saw):
 
 - worker failure (process exit, broken stream or stall reported by the router, failed
-  health probes): detect -> fence (SIGKILL the process group, wait until reaped) -> check
+  health probes): detect -> fence (SIGKILL the process group, wait until reaped; for a
+  backend with ``isolated_kv`` the reap completes in the background) -> check
   the arena -> activate the shadow (``POST /belayer/activate``: flush KV metadata, attach)
   -> swap it into the routing table -> in-flight requests resume there -> arm a new
   shadow in the background. No shadow ready: cold-start a worker instead.
@@ -30,7 +31,7 @@ from belayer.errors import DeviceUnhealthy, WorkerLost
 from belayer_engine import worker_auth
 from belayer_engine.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
-from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully
+from belayer_engine.supervisor.processes import Proc, fence, kill_group, stop_gracefully
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Supervisor:
         self._session: aiohttp.ClientSession | None = None
         self._procs: SlotProcesses | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._reaps: set[asyncio.Task] = set()  # background reaps of killed workers (isolated_kv)
         self._changed = asyncio.Condition()
         self._stopping = False
 
@@ -80,6 +82,7 @@ class Supervisor:
         for task in [*self._tasks, *arming]:
             task.cancel()
         await asyncio.gather(*self._tasks, *arming, return_exceptions=True)
+        await asyncio.gather(*self._reaps, return_exceptions=True)  # bounded by fence_timeout_s
         for slot in self.slots:
             for proc in (slot.worker, slot.shadow):
                 if proc is not None:
@@ -274,11 +277,11 @@ class Supervisor:
             # below touches the worker's KV before both are done.
             health = asyncio.create_task(self._arena_health(slot))
             try:
-                await fence(proc, cfg.fence_timeout_s)
+                reaped = await self._fence_for_handover(slot, proc)
             except BaseException:
                 health.cancel()
                 raise
-            self._event(slot, "fenced", pid=proc.pid, fence_s=time.monotonic() - t0)
+            self._event(slot, "fenced", pid=proc.pid, fence_s=time.monotonic() - t0, reaped=reaped)
             if not await self._arena_ok(slot, await health):
                 await self._cold_restart(slot, "arena unhealthy at handover")
                 return
@@ -300,6 +303,34 @@ class Supervisor:
             slot.handovers += 1
             self._event(slot, "handover", path=path, total_s=slot.promoted_at - t0)
             self._rearm(slot)
+
+    async def _fence_for_handover(self, slot: Slot, proc: Proc) -> bool:
+        """Fence the failed worker; True when it was also reaped before returning.
+
+        A backend whose workers share nothing writable with the shadow (``isolated_kv``)
+        only needs the SIGKILL sent: the reap (CUDA teardown, ~1.5 s on a GPU) finishes in
+        the background, off the handover's critical path, and is logged if it never comes.
+        """
+        assert self._procs is not None
+        if not self._procs.backend.isolated_kv:
+            await fence(proc, self.config.fence_timeout_s)
+            return True
+        kill_group(proc)
+
+        async def reap() -> None:
+            t0 = time.monotonic()
+            try:
+                await fence(proc, self.config.fence_timeout_s)
+            except WorkerLost as exc:
+                log.error("slot %s: %s", slot.name, exc)
+                self._event(slot, "reap_failed", pid=proc.pid, reason=str(exc))
+                return
+            self._event(slot, "reaped", pid=proc.pid, reap_s=time.monotonic() - t0)
+
+        task = asyncio.create_task(reap())
+        self._reaps.add(task)
+        task.add_done_callback(self._reaps.discard)
+        return False
 
     async def _take_shadow(self, slot: Slot) -> Proc | None:
         """Activate the slot's shadow (awaiting one that is still arming); None if there is none."""

@@ -18,6 +18,7 @@ class ReferenceBackend:
     """The embedded PyTorch worker (``belayer_engine.backends.reference.worker``)."""
 
     name = "reference"
+    isolated_kv = False  # KV blocks live in the arena: promote only after the reap
 
     def __init__(self, extra_args: list[str] | None = None) -> None:
         self.extra_args = list(extra_args or [])

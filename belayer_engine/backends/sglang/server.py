@@ -35,6 +35,7 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
     p.add_argument("--worker-id", default=None, help="for the supervisor's logs only")
     p.add_argument("--shadow", action="store_true", help="informational: a shadow is a started server")
     p.add_argument("--key-dir", default=None, help="where the 0600 api-key file goes (default: $TMPDIR)")
+    p.add_argument("--memory-saver", action="store_true", help="GPU: KV and CUDA graphs releasable (shadows)")
     args, extra = p.parse_known_args(argv)
     secret = worker_auth.take_from_env()
     if secret:
@@ -43,7 +44,8 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
             fh.write(f"api-key: {json.dumps(secret)}\n")
         extra = [*extra, "--config", path]
     return SGLangServerConfig(model_path=args.model_path, host=args.host, port=args.port, device=args.device,
-                              weight_cache_socket=args.weight_cache_socket, venv=args.venv, extra_args=extra)
+                              weight_cache_socket=args.weight_cache_socket, venv=args.venv,
+                              memory_saver=args.memory_saver, extra_args=extra)
 
 
 def main(argv: list[str] | None = None) -> int:

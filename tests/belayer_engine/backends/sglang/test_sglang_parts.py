@@ -112,3 +112,50 @@ def test_the_arena_accepts_the_sglang_backends_options(tmp_path):
     add_flags(p)
     cfg = FLAGS.build(p.parse_args(["--socket", str(slot.arena_socket), *backend.arena_argv(slot)]))
     assert cfg.weight_cache_socket == backend.weight_cache_socket(slot) and cfg.model_dir == str(tmp_path / "model")
+
+
+def _fake_venv(tmp_path, *packages: str) -> str:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    for name in packages:
+        pkg = venv / "lib" / "python3.11" / "site-packages" / name
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+    return str(venv)
+
+
+def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
+    """On a GPU with torch_memory_saver in SGLang's env, only the shadow gets the saver
+    (the serving worker keeps prefill graphs); impossible requests are errors, not ignored."""
+    import pytest
+
+    from belayer.errors import ConfigError
+    from belayer_engine.backends.base import SlotSpec, WorkerSpec
+    from belayer_engine.backends.sglang.launcher import SGLangBackend
+    from belayer_engine.supervisor.config import SupervisorConfig
+
+    monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
+    plain, saver = _fake_venv(tmp_path / "a"), _fake_venv(tmp_path / "b", "torch_memory_saver")
+    assert not SGLangBackend("m", venv=plain, device="cuda:0").shadow_memory_saver  # auto: absent -> off
+    assert not SGLangBackend("m", venv=saver, device="cpu").shadow_memory_saver  # auto: CPU -> off
+    with pytest.raises(ConfigError, match="CUDA device"):
+        SGLangBackend("m", venv=saver, device="cpu", shadow_memory_saver=True)
+    with pytest.raises(ConfigError, match="torch_memory_saver is not installed"):
+        SGLangBackend("m", venv=plain, device="cuda:0", shadow_memory_saver=True)
+    with pytest.raises(ValueError, match="only apply to backend='sglang'"):
+        SupervisorConfig(sglang_shadow_memory_saver=True)
+
+    backend = SGLangBackend("m", venv=saver, device="cuda:0")
+    assert backend.shadow_memory_saver and backend.isolated_kv
+    slot = SlotSpec(name="w0", device="cuda:0", arena_socket=tmp_path / "a.sock", run_dir=tmp_path)
+    shadow = backend.worker_argv(slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
+    worker = backend.worker_argv(slot, WorkerSpec(worker_id="w", host="127.0.0.1", port=8, shadow=False))
+    assert "--memory-saver" in shadow and "--memory-saver" not in worker
+
+    on_gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=saver, memory_saver=True)
+    argv, env = server_argv(on_gpu), server_env(on_gpu, base={})
+    assert {"--enable-memory-saver", "--disable-prefill-cuda-graph"} <= set(argv)
+    assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # without it the cuda_graph tag frees nothing
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        server_argv(SGLangServerConfig(model_path="m", port=9, device="cpu", venv=saver, memory_saver=True))
