@@ -238,7 +238,10 @@ def plot(result: dict, path: Path) -> None:
     rows = result["sizes"]
     n = [r["sandboxes"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(n, [r["steps_per_s"] for r in rows], "o-", label="measured")
+    a.plot(n, [r["steps_per_s"] for r in rows], "o-", label="measured (mean 1-min load beside each point)")
+    for r in rows:  # the machine is shared: each point is read against its load
+        a.annotate(f"load {r['load_avg_mean']:.0f}", (r["sandboxes"], r["steps_per_s"]),
+                   textcoords="offset points", xytext=(4, -12), fontsize=8)
     ideal = [rows[0]["steps_per_s"] * k / rows[0]["sandboxes"] for k in n]
     a.plot(n, ideal, "--", color="grey", label="linear from the smallest size")
     a.set_xscale("log", base=2)
