@@ -160,9 +160,9 @@ class RayEngine(LoopEngine):
         """Put the slot's endpoint in service, its weights brought to the engine's version first."""
         async with self._weights_lock:  # no update between the catch-up and the routing
             if info.get("weight_version") != self.weight_version:
-                await self._bring(name, state)
+                await self._bring(name, state["actor"])
             if self._layout is None:
-                self._layout = await state["actor"].layout.remote()
+                self._layout = await self._ask(name, state["actor"], "layout")
             endpoint = Endpoint(slot=name, url=info["url"], pid=info["pid"], device=info.get("device", "cpu"))
             state["instance"], state["endpoint"] = info["instance"], endpoint
             await self.table.put_in_service(endpoint)
@@ -196,40 +196,50 @@ class RayEngine(LoopEngine):
             # a patch whose every weight a newer one sets is never needed again
             self._patches = [p for p in self._patches if not p[1] <= names] + [(version, names, ref)]
             self.weight_version = version
-            serving = [(n, s) for n, s in self.slots.items() if s["endpoint"] is not None]
-            results = await asyncio.gather(*(self._bring(n, s) for n, s in serving), return_exceptions=True)
+            serving = [(n, s["actor"]) for n, s in self.slots.items() if s["endpoint"] is not None]
+            results = await asyncio.gather(*(self._bring(n, a) for n, a in serving), return_exceptions=True)
             failed = []
-            for (name, state), result in zip(serving, results, strict=True):
+            for (name, actor), result in zip(serving, results, strict=True):
                 if isinstance(result, BaseException):
                     failed.append(name)
-                    await self._take_out(name, state, f"weight update to version {version} failed: {result}")
+                    await self._take_out(name, actor, f"weight update to version {version} failed: {result}")
         self._event("*", "weights_updated", version=version, slots=[n for n, _ in serving if n not in failed],
                     failed=failed)
         return version
 
-    async def _bring(self, name: str, state: dict[str, Any]) -> None:
+    async def _bring(self, name: str, actor: Any) -> None:
         """The slot's arena at the engine's version (caller holds the weights lock)."""
-        actor = state["actor"]
-        if actor is None:
-            raise WorkerLost(f"slot {name} has no actor")
-        try:
-            served = await actor.apply_weights.remote(self.weight_version, [(v, r) for v, _, r in self._patches])
-        except RayActorError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the slot's arena or worker failed the update
-            raise WorkerLost(f"slot {name} did not take weight version {self.weight_version}: "
-                             f"{type(e).__name__}: {str(e)[:300]}") from e
+        served = await self._ask(name, actor, "apply_weights", self.weight_version,
+                                 [(v, r) for v, _, r in self._patches])
         if served != self.weight_version:
             raise WorkerLost(f"slot {name} serves weight version {served}, not {self.weight_version}")
 
-    async def _take_out(self, name: str, state: dict[str, Any], reason: str) -> None:
-        """Out of service now; killing the actor makes its watcher place the slot again."""
+    async def _ask(self, name: str, actor: Any, method: str, *args: Any) -> Any:
+        """Call the slot actor; what failed in the slot comes back as ``WorkerLost`` (the
+        slot's watcher then places it again), a dead actor as ``RayActorError``."""
+        if actor is None:
+            raise WorkerLost(f"slot {name} has no actor")
+        try:
+            return await getattr(actor, method).remote(*args)
+        except RayActorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the slot's arena or worker failed the call
+            raise WorkerLost(f"slot {name}: {method} failed: {type(e).__name__}: {str(e)[:300]}") from e
+
+    async def _take_out(self, name: str, actor: Any, reason: str) -> None:
+        """Out of service now; killing the actor makes its watcher place the slot again.
+
+        If the watcher already replaced ``actor`` (its node died meanwhile), the slot is out
+        of service already and its new actor catches up before it serves: leave it alone.
+        """
         self._event(name, "weights_failed", reason=reason[:300])
+        state = self.slots[name]
+        if state["actor"] is not actor:
+            return
         state["endpoint"] = None
         await self.table.mark_down(name, reason)
-        if state["actor"] is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(state["actor"], no_restart=True)
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
 
     def _on_failure(self, endpoint: Endpoint, reason: str) -> None:
         """The router saw a slot's worker fail: tell the slot (its supervisor hands over)."""

@@ -80,6 +80,7 @@ def test_update_reaches_every_slot_and_a_cold_restarted_arena_catches_up(cluster
     import openai
     import ray
 
+    from belayer.errors import UsageError
     from belayer_engine.ray import RayEngine, RayEngineConfig
 
     full, partial = _weights()
@@ -90,6 +91,11 @@ def test_update_reaches_every_slot_and_a_cold_restarted_arena_catches_up(cluster
 
         assert engine.update_weights(full) == 1
         assert _every_slot(engine) == {"r0": (truth[1], 1), "r1": (truth[1], 1)}
+        for bad, why in (({"nope": full["model.norm.weight"]}, "unknown weight"),
+                         ({"model.norm.weight": full["model.norm.weight"][:3]}, "shape")):
+            with pytest.raises(UsageError, match=why):  # refused on the driver: nothing sent, no version
+                engine.update_weights(bad)
+        assert engine.weight_version == 1
         client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0)
         reply = client.completions.create(model="m", prompt=PROMPT_IDS, max_tokens=4, temperature=0)
         assert reply.model_extra["belayer"]["weight_version"] == 1, reply.model_extra
