@@ -37,7 +37,7 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         old = self.name
         out = super().reset(seed=seed, options=options)
-        if old:  # the previous episode's replicas (one a cancelled capture still committed, too)
+        if old:  # the previous episode's replicas
             self.replica.remove_sandbox(old)
         return out
 

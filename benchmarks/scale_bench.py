@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -146,8 +147,18 @@ def run_size(n: int, steps: int, think_s: float, replica: str, client) -> dict:
         "peak_actor_rss_bytes": sampler.peak_actors,
         "memory_per_sandbox_bytes": (sampler.peak_containers + sampler.peak_actors) / n,
         "load_avg_mean": statistics.mean(sampler.loads) if sampler.loads else os.getloadavg()[0],
+        "load_avg_max": max(sampler.loads) if sampler.loads else os.getloadavg()[0],
+        "uptime_after": uptime(),
         "all_episodes_ready_s": starts,  # pool start -> every reset done (actors, containers, setup)
     }
+
+
+def uptime() -> str:
+    """``uptime``'s line: the machine is shared, so every figure is read against its load."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"load average: {os.getloadavg()}"
 
 
 def node_loss_cost(replica: str, client) -> dict:
@@ -193,6 +204,8 @@ def main() -> None:
     ray.init(num_cpus=os.cpu_count(), resources={SANDBOX_RESOURCE: max(args.sizes)},
              include_dashboard=False, log_to_driver=False)
     rows = []
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    uptime_before = uptime()
     try:
         load_before = os.getloadavg()
         cost = node_loss_cost(replica, client)
@@ -209,7 +222,9 @@ def main() -> None:
         ray.shutdown()
         shutil.rmtree(shared, ignore_errors=True)
     result = {"benchmark": "scale_bench", "host": platform.node(), "cpus": os.cpu_count(),
-              "load_avg_before": load_before, "think_s": args.think, "steps_per_episode": args.steps,
+              "load_avg_before": load_before,
+              "started_utc": started, "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "uptime_before": uptime_before, "uptime_after": uptime(), "think_s": args.think, "steps_per_episode": args.steps,
               "checkpoint_policy": "always", "replica": "file:// (local disk)", "node_loss": cost, "sizes": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
@@ -223,7 +238,10 @@ def plot(result: dict, path: Path) -> None:
     rows = result["sizes"]
     n = [r["sandboxes"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(n, [r["steps_per_s"] for r in rows], "o-", label="measured")
+    a.plot(n, [r["steps_per_s"] for r in rows], "o-", label="measured (mean 1-min load beside each point)")
+    for r in rows:  # the machine is shared: each point is read against its load
+        a.annotate(f"load {r['load_avg_mean']:.0f}", (r["sandboxes"], r["steps_per_s"]),
+                   textcoords="offset points", xytext=(4, -12), fontsize=8)
     ideal = [rows[0]["steps_per_s"] * k / rows[0]["sandboxes"] for k in n]
     a.plot(n, ideal, "--", color="grey", label="linear from the smallest size")
     a.set_xscale("log", base=2)

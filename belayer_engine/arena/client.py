@@ -69,17 +69,19 @@ class ArenaClient:
     def shutdown(self) -> None:
         self._call({"op": "shutdown"})
 
-    def update_weights(self, state_dict: Mapping) -> int:
+    def update_weights(self, state_dict: Mapping, version: int | None = None) -> int:
         """Push new weights (all or some, by HF name); returns the new version once every
-        attached worker serves it. CUDA tensors travel as IPC handles (same host)."""
+        attached worker serves it. CUDA tensors travel as IPC handles (same host).
+        ``version``: publish this number (newer than the current one) instead of current + 1."""
         import torch
 
+        extra = {} if version is None else {"version": version}
         tensors = {k: v.detach() for k, v in state_dict.items()}
         if tensors and all(t.is_cuda for t in tensors.values()):
             from torch.multiprocessing.reductions import reduce_tensor
 
             handles = {k: reduce_tensor(t.contiguous()) for k, t in tensors.items()}
-            msg = {"op": "update_weights", "ipc": base64.b64encode(pickle.dumps(handles)).decode()}
+            msg = {"op": "update_weights", "ipc": base64.b64encode(pickle.dumps(handles)).decode(), **extra}
             return int(self._call(msg)["version"])
         specs, chunks = [], []
         for name, t in tensors.items():
@@ -87,7 +89,7 @@ class ArenaClient:
             specs.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
                           "shape": list(t.shape), "nbytes": len(raw)})
             chunks.append(raw)
-        return int(self._call({"op": "update_weights", "tensors": specs}, b"".join(chunks))["version"])
+        return int(self._call({"op": "update_weights", "tensors": specs, **extra}, b"".join(chunks))["version"])
 
     def wait_ready(self, timeout: float = 60.0) -> dict:
         """Poll ``describe`` until the arena answers (bounded)."""

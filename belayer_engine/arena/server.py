@@ -152,8 +152,15 @@ class ArenaServer:
         return [f"{a.worker_id}(pid {a.pid}, v{a.version})" for a in self.attached.values()
                 if a.version < version]
 
-    def update_weights(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Write a new version into the free slot, publish it, wait for every worker."""
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """Write a new version into the free slot, publish it, wait for every worker.
+
+        ``version``: the number to publish (default: current + 1). An engine spread over
+        several arenas (``belayer_engine.ray``) gives a fresh arena its engine-wide version
+        in one update, so every slot reports the same number for the same weights.
+        """
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise UsageError(f"version must be an int, got {version!r}")
         for name, t in tensors.items():
             if name not in self.layout:
                 raise UsageError(f"unknown weight {name!r}")
@@ -165,6 +172,8 @@ class ArenaServer:
                                           self.cfg.ack_timeout_s):
                     raise WorkerLost(f"workers still serve an older version: "
                                      f"{self._laggards(self.version)}")
+                if version is not None and version <= self.version:
+                    raise UsageError(f"version {version} is not newer than the current {self.version}")
                 staging = 1 - self.slot
             names = ("w0", "w1")
             self.regions[names[staging]].copy_(self.regions[names[self.slot]])
@@ -173,7 +182,7 @@ class ArenaServer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             with self.cond:
-                self.version += 1
+                self.version = self.version + 1 if version is None else version
                 self.slot = staging
                 version = self.version
                 for a in list(self.attached.values()):
@@ -233,7 +242,7 @@ class ArenaServer:
                 elif op == "checksums":
                     reply = self.checksums()
                 elif op == "update_weights":
-                    reply = {"version": self.update_weights(self._read_update(msg, rfile))}
+                    reply = {"version": self.update_weights(self._read_update(msg, rfile), msg.get("version"))}
                 elif op == "register_server":
                     reply = self.register_server(msg)
                 elif op == "shutdown":

@@ -8,6 +8,12 @@ shadow) shows up as a new endpoint; and when the slot's node dies, the slot is m
 (its streams break over to the other slots, or wait for this one) and started again on
 another node. In-flight requests continue token by token through the router's existing
 recovery: it re-sends prompt + generated ids to whichever worker serves next.
+
+Weight updates (``update_weights``) are versioned engine-wide: the driver puts each update
+in Ray's object store (a patch), and every slot's arena is brought to the engine's version
+before the slot is (again) put in service, so a slot never serves stale weights: it serves
+the newest version or it is not in service. A slot that cannot take an update is taken
+out of service and placed again (it catches up from the patches before serving).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ray
@@ -24,7 +30,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from belayer.errors import WorkerLost
+from belayer.errors import UsageError, WorkerLost
 from belayer_engine import worker_auth
 from belayer_engine.lifecycle import LoopEngine, engine_router_config, running
 from belayer_engine.ray.slot_actor import EngineSlotActor
@@ -68,6 +74,11 @@ class RayEngine(LoopEngine):
         self._tasks: list[asyncio.Task] = []
         self.table: RoutingTable | None = None
         self.router: Router | None = None
+        self.weight_version = 0
+        """The engine's weight version: every slot in service serves it."""
+        self._patches: list[tuple[int, frozenset[str], Any]] = []  # (version, names, ObjectRef), oldest first
+        self._layout: dict[str, list[int]] | None = None  # HF name -> shape, from the first slot
+        self._weights_lock: asyncio.Lock | None = None
 
     @classmethod
     @contextlib.contextmanager
@@ -81,6 +92,7 @@ class RayEngine(LoopEngine):
         return self.config.supervisor.start_timeout_s * 3
 
     async def _start(self) -> None:
+        self._weights_lock = asyncio.Lock()
         self.table = RoutingTable()
         self.table.add_listener(self._on_failure)
         self.router = Router(self.config.router, table=self.table, status=self.status)
@@ -145,10 +157,89 @@ class RayEngine(LoopEngine):
         self._event(name, "slot_placed", where=state["where"])
 
     async def _serve(self, name: str, state: dict[str, Any], info: dict[str, Any]) -> None:
-        endpoint = Endpoint(slot=name, url=info["url"], pid=info["pid"], device=info.get("device", "cpu"))
-        state["instance"], state["endpoint"] = info["instance"], endpoint
-        await self.table.put_in_service(endpoint)
-        self._event(name, "routed", url=info["url"], pid=info["pid"])
+        """Put the slot's endpoint in service, its weights brought to the engine's version first."""
+        async with self._weights_lock:  # no update between the catch-up and the routing
+            if info.get("weight_version") != self.weight_version:
+                await self._bring(name, state["actor"])
+            if self._layout is None:
+                self._layout = await self._ask(name, state["actor"], "layout")
+            endpoint = Endpoint(slot=name, url=info["url"], pid=info["pid"], device=info.get("device", "cpu"))
+            state["instance"], state["endpoint"] = info["instance"], endpoint
+            await self.table.put_in_service(endpoint)
+        self._event(name, "routed", url=info["url"], pid=info["pid"], weight_version=self.weight_version)
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state_dict: Mapping[str, Any], timeout: float = 600.0) -> int:
+        """Push new weights (all or some, by HF name) to every slot; return the new version.
+
+        When it returns, every slot in service serves that version (a request sent after it
+        reports ``weight_version >=`` it); a slot that failed to switch is out of service and
+        placed again, and a slot placed or restarted later catches up before it serves.
+        The tensors travel through Ray's object store (moved to CPU here).
+        """
+        tensors = {str(k): v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        if not tensors:
+            raise UsageError("update_weights needs at least one tensor")
+        if self._layout is not None:
+            for k, t in tensors.items():
+                if k not in self._layout:
+                    raise UsageError(f"unknown weight {k!r}")
+                if list(t.shape) != list(self._layout[k]):
+                    raise UsageError(f"{k}: shape {list(t.shape)} != {self._layout[k]}")
+        ref = ray.put(tensors)
+        return self.call(self._update_weights(ref, frozenset(tensors)), timeout=timeout)
+
+    async def _update_weights(self, ref: Any, names: frozenset[str]) -> int:
+        async with self._weights_lock:
+            version = self.weight_version + 1
+            # a patch whose every weight a newer one sets is never needed again
+            self._patches = [p for p in self._patches if not p[1] <= names] + [(version, names, ref)]
+            self.weight_version = version
+            serving = [(n, s["actor"]) for n, s in self.slots.items() if s["endpoint"] is not None]
+            results = await asyncio.gather(*(self._bring(n, a) for n, a in serving), return_exceptions=True)
+            failed = []
+            for (name, actor), result in zip(serving, results, strict=True):
+                if isinstance(result, BaseException):
+                    failed.append(name)
+                    await self._take_out(name, actor, f"weight update to version {version} failed: {result}")
+        self._event("*", "weights_updated", version=version, slots=[n for n, _ in serving if n not in failed],
+                    failed=failed)
+        return version
+
+    async def _bring(self, name: str, actor: Any) -> None:
+        """The slot's arena at the engine's version (caller holds the weights lock)."""
+        served = await self._ask(name, actor, "apply_weights", self.weight_version,
+                                 [(v, r) for v, _, r in self._patches])
+        if served != self.weight_version:
+            raise WorkerLost(f"slot {name} serves weight version {served}, not {self.weight_version}")
+
+    async def _ask(self, name: str, actor: Any, method: str, *args: Any) -> Any:
+        """Call the slot actor; what failed in the slot comes back as ``WorkerLost`` (the
+        slot's watcher then places it again), a dead actor as ``RayActorError``."""
+        if actor is None:
+            raise WorkerLost(f"slot {name} has no actor")
+        try:
+            return await getattr(actor, method).remote(*args)
+        except RayActorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the slot's arena or worker failed the call
+            raise WorkerLost(f"slot {name}: {method} failed: {type(e).__name__}: {str(e)[:300]}") from e
+
+    async def _take_out(self, name: str, actor: Any, reason: str) -> None:
+        """Out of service now; killing the actor makes its watcher place the slot again.
+
+        If the watcher already replaced ``actor`` (its node died meanwhile), the slot is out
+        of service already and its new actor catches up before it serves: leave it alone.
+        """
+        self._event(name, "weights_failed", reason=reason[:300])
+        state = self.slots[name]
+        if state["actor"] is not actor:
+            return
+        state["endpoint"] = None
+        await self.table.mark_down(name, reason)
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
 
     def _on_failure(self, endpoint: Endpoint, reason: str) -> None:
         """The router saw a slot's worker fail: tell the slot (its supervisor hands over)."""
@@ -176,6 +267,10 @@ class RayEngine(LoopEngine):
         return {"slots": {name: {"where": s["where"], "url": s["endpoint"].url if s["endpoint"] else None,
                                  "starts": s["starts"]} for name, s in self.slots.items()},
                 "events": self.events[-200:]}
+
+    def worker_headers(self) -> dict[str, str]:
+        """The header that lets this process talk to the slots' workers directly (tests, tools)."""
+        return worker_auth.headers(self._worker_secret)
 
     def slot_actor(self, name: str) -> Any:
         return self.slots[name]["actor"]

@@ -5,7 +5,9 @@ shadow are its child processes, so they share the node (and its shared memory an
 by construction, and every recovery on a live node (worker death -> shadow handover)
 stays the node's. The driver's router learns the slot's current worker from
 ``endpoint()`` (a long poll) and tells the slot what it saw fail through
-``report_failure()``.
+``report_failure()``. ``apply_weights()`` brings the slot's arena to the engine's weight
+version from the update patches the driver keeps in Ray's object store (only the patches
+it lacks; all of them for an arena it has not seen, e.g. after a cold restart).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from belayer.errors import ArenaLost, WorkerLost
+from belayer_engine.arena.client import ArenaClient
 from belayer_engine.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor
 from belayer_engine.supervisor.config import SupervisorConfig
@@ -39,6 +43,8 @@ class EngineSlotActor:
         self._thread.start()
         self.table: RoutingTable | None = None
         self.supervisor: Supervisor | None = None
+        self._applied: tuple[str, int] | None = None  # (arena id, version) this actor brought it to
+        self._weights_lock = threading.Lock()
 
     def where(self) -> dict[str, Any]:
         import ray
@@ -65,10 +71,50 @@ class EngineSlotActor:
         while True:
             current = self._current()
             if current is not None and current["instance"] != after:
+                try:  # lets the driver skip a catch-up call when the slot is current
+                    current["weight_version"] = self.weight_version()
+                except (WorkerLost, ArenaLost):
+                    current["weight_version"] = None
                 return current
             if time.monotonic() > deadline:
                 return None
             time.sleep(POLL_S)
+
+    def apply_weights(self, version: int, patches: list[tuple[int, Any]]) -> int:
+        """Bring the arena to engine version ``version``; return the version it serves.
+
+        ``patches``: (version, ObjectRef of {HF name: CPU tensor}) oldest first, together
+        the newest value of every updated weight. An arena this actor brought to version
+        v gets the patches newer than v; any other (a fresh arena, at 0) gets them all,
+        merged into one update published as ``version``: every slot reports the engine's
+        version for the same weights.
+        """
+        import ray
+
+        with self._weights_lock:
+            arena = ArenaClient(self._arena_socket())
+            info = arena.describe()
+            arena_id, current = str(info["arena_id"]), int(info["version"])
+            if current == version:
+                return current
+            if current > version:
+                raise WorkerLost(f"arena {arena_id} serves version {current}, newer than the engine's {version}")
+            incremental = self._applied == (arena_id, current)
+            merged: dict[str, Any] = {}
+            for v, ref in patches:
+                if not incremental or v > current:
+                    merged.update(ray.get(ref))
+            served = arena.update_weights(merged, version=version)
+            self._applied = (arena_id, served)
+            return served
+
+    def layout(self) -> dict[str, list[int]]:
+        """HF name -> shape of every weight the arena holds (the driver checks updates with it)."""
+        return {k: list(v[1]) for k, v in ArenaClient(self._arena_socket()).describe()["layout"].items()}
+
+    def weight_version(self) -> int:
+        """The version the slot's arena serves (every attached worker confirmed it)."""
+        return int(ArenaClient(self._arena_socket()).describe()["version"])
 
     def report_failure(self, instance: int, reason: str) -> None:
         """The router saw endpoint ``instance`` fail: the supervisor fences it and hands over."""
@@ -97,6 +143,11 @@ class EngineSlotActor:
         if self.supervisor is not None:
             self._call(self.supervisor.stop(), 60)
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _arena_socket(self) -> str:
+        if self.supervisor is None or not self.supervisor.slots:
+            raise WorkerLost("the slot has not started")
+        return str(self.supervisor.slots[0].socket)
 
     def _current(self) -> dict[str, Any] | None:
         async def _read() -> dict[str, Any] | None:

@@ -53,7 +53,10 @@ class PendingCheckpoint:
         self._thread.start()
 
     def _hook(self, phase: Phase) -> None:
-        if self._cancel.is_set():
+        # PUBLISHED is past the point of no return: failing there would leave the checkpoint
+        # published (locally and, for a replicated store, at its URL) with nobody to remove
+        # it; ``_run`` removes a checkpoint whose cancel landed during publish instead.
+        if self._cancel.is_set() and phase is not Phase.PUBLISHED:
             raise _Cancelled(f"cancelled before {phase}")
         if self._user_hook is not None:
             self._user_hook(phase)

@@ -46,6 +46,11 @@ def test_update_weights_versions_and_errors(tmp_path, procs):
     with pytest.raises(UsageError, match="shape"):
         c.update_weights({"model.norm.weight": torch.zeros(3)})
     assert c.describe()["version"] == 2
+    # an explicit version (an engine's version given to a fresh arena): newer ones only
+    with pytest.raises(UsageError, match="not newer"):
+        c.update_weights({"model.norm.weight": w["model.norm.weight"]}, version=2)
+    assert c.update_weights({"model.norm.weight": w["model.norm.weight"]}, version=7) == 7
+    assert c.describe()["version"] == 7 and c.update_weights({}) == 8
 
 
 def test_shutdown_removes_shared_memory(tmp_path, procs):

@@ -100,6 +100,32 @@ def test_uncommitted_or_corrupt_replicas_are_never_used(make_sandbox, tmp_path, 
     assert loc.list(sb.name) == []
 
 
+def test_cancel_landing_during_publish_leaves_nothing_published(make_sandbox, tmp_path, replica_url):
+    """A capture cancelled after it was written, while it uploads and publishes: the
+    published checkpoint is removed again, locally and at the URL (cancel = publish nothing)."""
+    from belayer_env.checkpoint import start_checkpoint
+    from belayer_env.phases import Phase
+
+    store = ReplicatedCheckpointStore(tmp_path / "node-a", replica_url, keep=None)
+    sb = make_sandbox()
+    sb.execute("echo x > /tmp/x")
+    assert full_checkpoint(sb, store, step=1).step == 1
+    handle: dict = {}
+
+    def cancel_after_write(phase):  # the cancel lands between WRITTEN and PUBLISHED
+        if phase is Phase.WRITTEN:
+            handle["pending"].cancel()
+        handle.setdefault("phases", []).append(phase)
+
+    handle["pending"] = pending = start_checkpoint(sb, store, 2, phase_hook=cancel_after_write, prestage=False)
+    assert pending.wait(120) is None
+    assert [c.step for c in store.list(sb.name)] == [1], "a cancelled capture stayed published locally"
+    assert [r.step for r in ReplicaLocation(replica_url).list(sb.name)] == [1], "its replica stayed committed"
+    assert Phase.PUBLISHED in handle["phases"], f"the capture did not reach publish: {handle['phases']}"
+    assert sb.execute("echo running")["output"] == "running\n"
+    assert full_checkpoint(sb, store, step=2).step == 2  # the step number is free again
+
+
 def test_episode_resumes_on_another_env_prefix_consistent(make_resumable, docker_client, replica_url):
     env_a = make_resumable(checkpoint_policy=AlwaysPolicy(), replica_url=replica_url)
     env_a.reset(options={"task": "count", "setup": "touch /tmp/log"})
