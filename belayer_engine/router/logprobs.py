@@ -5,7 +5,8 @@ part of a multi-byte character reads as U+FFFD, as in OpenAI's own output); ``by
 the token string's UTF-8, or null where the token is such a fragment. Chat:
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}``.
 Completions (legacy): ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
-"text_offset"}``, where ``text_offset`` is each token's start in the completion text.
+"text_offset"}``, where ``text_offset`` is each token's start in the completion text (a
+top dict has fewer than k keys where two ids read the same).
 """
 
 from __future__ import annotations
@@ -45,5 +46,11 @@ class LogprobFormatter:
             offsets.append(len(self.codec.decode(self._ids).rstrip("\ufffd")) if self._ids else 0)
             self._ids.append(i)
         return {"tokens": [self.token(i) for i in ids], "token_logprobs": list(logprobs),
-                "top_logprobs": [{self.token(t): v for v, t in row} for row in tops],
-                "text_offset": offsets}
+                "top_logprobs": [self._top_dict(row) for row in tops], "text_offset": offsets}
+
+    def _top_dict(self, row: list[tuple[float, int]]) -> dict[str, float]:
+        """Token string -> logprob; where two ids read the same, the likelier one's value."""
+        out: dict[str, float] = {}
+        for v, t in row:
+            out.setdefault(self.token(t), v)
+        return out
