@@ -1,0 +1,96 @@
+"""Logprobs across a failover: SIGKILL the serving reference worker mid-stream.
+
+Two reference workers with the same (seeded) weights behind ``belayer serve router``
+(the static-router set-up of test_static_router.py). A streamed greedy chat request with
+``logprobs`` and ``n=2`` loses its worker; the router continues each choice on the other
+worker, which scores the tokens it generates. Each choice must read as one generation:
+token ids equal to the fault-free run, one logprob (and one top list) per token, and the
+values equal to the fault-free run's within ``TOL``.
+
+Why a tolerance: the continued part's first token comes from the new worker's prefill of
+prompt + generated ids, a forward pass of another shape (many rows) than the fault-free
+run's one-row decode step, which may sum in another order. On this CPU worker the values
+came out bit-equal (max difference 0.0); ``TOL`` = 1e-4 allows float32 rounding (an
+accelerator's kernels pick shape-dependent reductions) while still catching a misaligned or
+misattributed entry (neighbouring tokens' logprobs differ by far more). With two workers
+the router may put the choices on different workers: the one on the killed worker
+recovers, the other is untouched, and both must read the same.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import openai
+import pytest
+
+from tests.belayer_engine.conftest import Arena, Worker
+from tests.belayer_engine.test_static_router import RouterCLI, _url, _wait_live
+
+pytestmark = pytest.mark.timeout(300)
+
+MESSAGES = [{"role": "user", "content": "How does a belay device hold a fall?"}]
+MAX_TOKENS = 512  # ~1.5 s of decoding on an idle CPU: the kill lands mid-generation
+KILL_AT = 4
+TOP = 2
+TOL = 1e-4
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": TOP,
+          "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+def test_logprobs_survive_a_sigkill_mid_stream_for_every_choice(tmp_path, procs):
+    workers = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        procs.append(arena := Arena(d))
+        procs.append(worker := Worker(arena, d, name=name))
+        workers.append(worker)
+    by_url = {_url(w): w for w in workers}
+    router = RouterCLI(list(by_url), tmp_path / "router.log")
+    procs.append(router)
+    _wait_live(router, 2)
+    client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=120)
+
+    want = client.chat.completions.create(model="m", messages=MESSAGES, **GREEDY).choices[0]
+    want_ids = want.model_extra["token_ids"]
+    want_lps = [e.logprob for e in want.logprobs.content]
+    want_tops = [[(t.token, t.logprob) for t in e.top_logprobs] for e in want.logprobs.content]
+    assert len(want_ids) == len(want_lps) == MAX_TOKENS
+
+    ids = {0: [], 1: []}
+    content = {0: [], 1: []}
+    summaries, usage, victim = {}, None, None
+    stream = client.chat.completions.create(model="m", messages=MESSAGES, n=2, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            ids[c.index] += (c.model_extra or {}).get("token_ids") or []
+            content[c.index] += c.logprobs.content if c.logprobs else []
+            if c.finish_reason:
+                summaries[c.index] = chunk.model_extra["belayer"]
+        if victim is None and min(len(v) for v in ids.values()) >= KILL_AT:
+            serving = [ep for ep in router.live_slots().values() if ep["inflight"] > 0]
+            assert serving, "no worker is serving the stream"
+            victim = by_url[serving[0]["url"]]
+            victim.kill9()
+    assert victim is not None and victim.p.returncode == -signal.SIGKILL
+    assert sorted(summaries) == [0, 1], summaries
+    assert sum(s["recoveries"] for s in summaries.values()) >= 1, f"the kill landed after the end: {summaries}"
+    assert usage.completion_tokens == 2 * MAX_TOKENS
+
+    for i in (0, 1):
+        got_lps = [e.logprob for e in content[i]]
+        got_tops = [[(t.token, t.logprob) for t in e.top_logprobs] for e in content[i]]
+        assert ids[i] == want_ids, f"choice {i}: ids differ from the fault-free run; {summaries[i]}"
+        assert len(got_lps) == len(got_tops) == MAX_TOKENS, f"choice {i}: logprob entries lost or duplicated"
+        assert [e.token for e in content[i]] == [e.token for e in want.logprobs.content]
+        worst = max(abs(a - b) for a, b in zip(got_lps, want_lps, strict=True))
+        assert worst <= TOL, f"choice {i}: logprobs differ by up to {worst:.2e}; {summaries[i]}"
+        for got, ref in zip(got_tops, want_tops, strict=True):
+            assert [t for t, _ in got] == [t for t, _ in ref]
+            assert all(abs(a - b) <= TOL for (_, a), (_, b) in zip(got, ref, strict=True))
+        for failure in summaries[i]["failures"]:
+            assert KILL_AT <= failure["at_token"] < MAX_TOKENS, failure
+        print(f"choice {i}: recoveries={summaries[i]['recoveries']} max |logprob - fault-free| = {worst:.2e}")
