@@ -67,10 +67,11 @@ def test_chat_logprobs_are_the_workers_with_token_strings_and_ids(engine, client
 
 def test_streamed_chat_logprobs_equal_the_whole_response(client):
     whole = client.chat.completions.create(model="m", messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY)
-    ids, lps, tops, usage = [], [], [], None
+    ids, lps, tops, usage, prompts = [], [], [], None, []
     for chunk in client.chat.completions.create(model="m", messages=MESSAGES, logprobs=True, top_logprobs=2, stream=True,
                                                 stream_options={"include_usage": True}, **GREEDY):
         usage = chunk.usage or usage
+        prompts.append(chunk.model_extra.get("prompt_token_ids"))
         for c in chunk.choices:
             ids += c.model_extra.get("token_ids") or []
             if c.logprobs:
@@ -80,6 +81,7 @@ def test_streamed_chat_logprobs_equal_the_whole_response(client):
     assert lps == [e.logprob for e in whole.choices[0].logprobs.content]
     assert tops == [[t.logprob for t in e.top_logprobs] for e in whole.choices[0].logprobs.content]
     assert len(lps) == usage.completion_tokens == 12
+    assert prompts[0] == CODEC.render_chat(MESSAGES) and not any(prompts[1:]), "the prompt's ids come once, first"
 
 
 def test_completions_legacy_logprobs_streamed_and_not(client):
