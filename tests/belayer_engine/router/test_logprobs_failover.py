@@ -1,4 +1,5 @@
-"""Logprobs across a failover: SIGKILL the serving reference worker mid-stream.
+"""Logprobs across a failover: SIGKILL the serving reference worker mid-stream (token-level
+recovery through the static router with n=2, and chunk-level recovery in an engine).
 
 Two reference workers with the same (seeded) weights behind ``belayer serve router``
 (the static-router set-up of test_static_router.py). A streamed greedy chat request with
@@ -19,11 +20,14 @@ recovers, the other is untouched, and both must read the same.
 
 from __future__ import annotations
 
+import os
 import signal
 
 import openai
 import pytest
 
+from belayer_engine.engine import RecoverableEngine
+from belayer_engine.router import RouterConfig
 from tests.belayer_engine.conftest import Arena, Worker
 from tests.belayer_engine.test_static_router import RouterCLI, _url, _wait_live
 
@@ -94,3 +98,30 @@ def test_logprobs_survive_a_sigkill_mid_stream_for_every_choice(tmp_path, procs)
         for failure in summaries[i]["failures"]:
             assert KILL_AT <= failure["at_token"] < MAX_TOKENS, failure
         print(f"choice {i}: recoveries={summaries[i]['recoveries']} max |logprob - fault-free| = {worst:.2e}")
+
+
+def test_chunk_mode_keeps_one_logprob_per_token_across_a_sigkill():
+    """Coarse recovery re-generates the tail since the last k-token boundary and suppresses
+    what the client already has: its logprobs are dropped with it (the client keeps the
+    first worker's), so the lists stay one entry per token."""
+    long = 256
+    args = {"model": "m", "prompt": "The rope holds", "max_tokens": long, "temperature": 0, "logprobs": 1,
+            "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    with RecoverableEngine.launch(workers=1, shadow=True, router=RouterConfig(recovery="chunk", chunk_tokens=16)) as eng:
+        eng.wait_ready(timeout=120)
+        client = openai.OpenAI(base_url=eng.base_url, api_key="unused", max_retries=0, timeout=120)
+        want = client.completions.create(**args).choices[0]
+        pid = eng.worker_pid(0)
+        ids, lps, summary, killed = [], [], None, False
+        for chunk in client.completions.create(stream=True, **args):
+            for c in chunk.choices:
+                ids += c.model_extra.get("token_ids") or []
+                lps += c.logprobs.token_logprobs if c.logprobs else []
+                summary = chunk.model_extra.get("belayer") or summary
+            if not killed and len(ids) >= 21:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+    assert killed and summary["recoveries"] == 1, summary
+    assert ids == want.model_extra["token_ids"] and len(lps) == len(ids) == long
+    assert max(abs(a - b) for a, b in zip(lps, want.logprobs.token_logprobs, strict=True)) <= TOL
+    assert summary["regenerated_tokens"] == summary["failures"][0]["at_token"] % 16, summary
