@@ -7,6 +7,10 @@ greedy decoding the worker's exact re-prefill makes the result token-identical t
 fault-free run. In ``chunk`` mode the preserved prefix only advances every k tokens (the
 reference paper's scheme); the regenerated tail is compared with what the client already
 has and suppressed, and counted in ``regenerated``.
+
+Logprobs (when asked for) travel with the ids: each worker scores the tokens it generates,
+so after a failover the continued part's logprobs are the new worker's, and the lists stay
+aligned with ``generated`` (a suppressed regenerated tail drops its logprobs too).
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ class Generation:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: dict
+    top_logprobs_num: int | None = None  # None: no logprobs asked for
     rid: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # one per generated id, when asked for
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finish: dict | None = None
     recoveries: int = 0
     regenerated: int = 0
@@ -98,6 +105,10 @@ class Continuation:
                 "stream": True,
                 "rid": f"{gen.rid}-{attempt}",
             }
+            if gen.top_logprobs_num is not None:  # SGLang's fields; the new worker scores what it generates
+                body["return_logprob"] = True
+                if gen.top_logprobs_num:
+                    body["top_logprobs_num"] = gen.top_logprobs_num
             attempt += 1
             gen.workers.append(f"{endpoint.slot}#{endpoint.instance}")
             replaying = after_worker_failure
@@ -117,7 +128,7 @@ class Continuation:
                         if replaying and not progressed and (chunk.ids or chunk.finish):
                             progressed = True
                             endpoint.replaying -= 1
-                        new = chunk.ids
+                        new, lps, top = chunk.ids, chunk.logprobs, chunk.top
                         if skip:
                             tail = gen.generated[len(gen.generated) - skip :]
                             overlap = new[: len(tail)]
@@ -126,16 +137,24 @@ class Continuation:
                             gen.regenerated += len(overlap)
                             skip -= len(overlap)
                             new = new[len(overlap) :]
+                            # the client keeps the logprobs it already has for the overlap
+                            lps = None if lps is None else lps[len(overlap) :]
+                            top = None if top is None else top[len(overlap) :]
                             if chunk.finish and skip:
                                 raise _Diverged()
                         gen.generated.extend(new)
+                        if lps is not None:
+                            gen.logprobs.extend(lps)
+                        if top is not None:
+                            gen.top_logprobs.extend(top)
                         gen.weight_version = _version(chunk.meta.get("weight_version", gen.weight_version))
                         if gen.weight_version is not None and gen.weight_version not in gen.weight_versions:
                             gen.weight_versions.append(gen.weight_version)
                         if chunk.finish:
                             gen.finish = chunk.finish
                         if new or chunk.finish:
-                            yield Chunk(ids=new, text=chunk.text, finish=chunk.finish, meta=chunk.meta)
+                            yield Chunk(ids=new, text=chunk.text, finish=chunk.finish, meta=chunk.meta,
+                                        logprobs=lps, top=top)
                         if chunk.finish:
                             return
             except _Diverged:

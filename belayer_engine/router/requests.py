@@ -2,8 +2,8 @@
 
 Every malformed body becomes a ``UsageError`` that names the field (the handler turns it
 into a JSON 400). Types are strict (``true`` is not an integer, ``"1"`` is not a number);
-features this engine does not implement (tools, response formats, penalties, logprobs,
-n > 1, ...) are refused by name rather than silently ignored, and so are unknown fields.
+features this engine does not implement (tools, response formats, penalties, ``echo``,
+``best_of``, ...) are refused by name rather than silently ignored, and so are unknown fields.
 Sampling ranges mirror the worker's (``belayer_engine.sampling``): the router refuses
 first, the worker refuses again for clients that talk to it directly.
 """
@@ -27,6 +27,8 @@ from belayer_engine.json_body import parse_json_object
 
 MAX_SEED = 2**63  # seeds are 0 <= seed < 2**63 (a torch generator takes 64 bits; keep one spare)
 MAX_STOP = 16
+MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat bound; also the workers' (SGLang's top_logprobs_num has none)
 ROLES = ("system", "user", "assistant")
 
 # Known OpenAI parameters this engine does not implement, and the values that mean "off":
@@ -39,8 +41,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
@@ -99,7 +99,7 @@ class _Common(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
@@ -113,13 +113,6 @@ class _Common(_Strict):
     user: str | None = None  # an end-user id for abuse tracking: no effect on output
     metadata: dict[str, str] | None = None
     store: bool | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("top_k")
     @classmethod
@@ -150,9 +143,33 @@ class _Common(_Strict):
         return params
 
 
+    def choices(self) -> int:
+        return self.n or 1
+
+    def top_logprobs_num(self) -> int | None:
+        """None: no logprobs; k >= 0: the sampled token's logprob and the k most likely."""
+        raise NotImplementedError
+
+
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _zero_is_off(cls, v):
+        return False if v == 0 and type(v) is int else v  # accepted before logprobs were implemented
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_num(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def budget(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -160,6 +177,17 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[TokenId] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy: the number of top logprobs
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, v):
+        if v is True:
+            raise ValueError(f"on /v1/completions logprobs is a number of top logprobs (0-{MAX_TOP_LOGPROBS})")
+        return None if v is False else v
+
+    def top_logprobs_num(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:

@@ -31,12 +31,41 @@ _DONE = object()
 
 @dataclass
 class Chunk:
-    """New token ids since the previous chunk, the worker's text so far, and the finish."""
+    """New token ids since the previous chunk, the worker's text so far, and the finish.
+
+    With ``return_logprob`` in the body, ``logprobs`` (and ``top`` with ``top_logprobs_num``)
+    hold one entry per id of ``ids``: the sampled token's logprob, and the top (logprob, id).
+    """
 
     ids: list[int]
     text: str
     finish: dict | None
     meta: dict
+    logprobs: list[float] | None = None
+    top: list[list[tuple[float, int]]] | None = None
+
+
+NEG_INF_LOGPROB = -9999.0  # what a worker's -inf (JSON null) becomes, as OpenAI reports it
+
+
+def _lp(value) -> float:
+    return float(value) if isinstance(value, int | float) else NEG_INF_LOGPROB
+
+
+def _logprob_slice(meta: dict, start: int, count: int, top: bool) -> tuple[list[float], list | None]:
+    """The logprobs of output tokens [start, start + count) from SGLang's cumulative
+    ``output_token_logprobs`` / ``output_top_logprobs`` (entries ``[logprob, id, text]``)."""
+    entries = (meta.get("output_token_logprobs") or [])[start : start + count]
+    if len(entries) != count:
+        raise RequestFailed(f"the worker sent {start + count} token ids but "
+                            f"{len(meta.get('output_token_logprobs') or [])} logprobs")
+    lps = [_lp(e[0]) for e in entries]
+    if not top:
+        return lps, None
+    tops = (meta.get("output_top_logprobs") or [])[start : start + count]
+    if len(tops) != count:
+        raise RequestFailed("the worker sent fewer top logprobs than token ids")
+    return lps, [[(_lp(e[0]), int(e[1])) for e in row or ()] for row in tops]
 
 
 async def _pump(session: aiohttp.ClientSession, url: str, body: dict, queue: asyncio.Queue, connect_timeout: float) -> None:
@@ -102,6 +131,7 @@ async def stream_generate(
         queue.put_nowait(LOST)
     pump = asyncio.create_task(_pump(session, endpoint.url, body, queue, connect_timeout))
     seen = 0
+    want_logprobs, want_top = bool(body.get("return_logprob")), bool(body.get("top_logprobs_num"))
     finished = False
     silent = 0.0
     try:
@@ -133,11 +163,13 @@ async def stream_generate(
                                      await _answers_health(session, endpoint, probe_timeout))
             meta = item.get("meta_info") or {}
             ids = list(item.get("output_ids") or [])
+            start = seen
             delta, seen = ids[seen:], max(seen, len(ids))  # chunks may skip tokens: diff, never count
             finish = meta.get("finish_reason")
             if finish and finish.get("type") == "abort":
                 raise _request_error(finish, await _answers_health(session, endpoint, probe_timeout))
-            yield Chunk(ids=delta, text=item.get("text") or "", finish=finish, meta=meta)
+            lps, top = _logprob_slice(meta, start, len(delta), want_top) if want_logprobs else (None, None)
+            yield Chunk(ids=delta, text=item.get("text") or "", finish=finish, meta=meta, logprobs=lps, top=top)
             if finish:
                 finished = True
     finally:

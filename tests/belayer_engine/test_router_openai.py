@@ -99,8 +99,8 @@ def test_api_key_and_bad_requests(engine, client):
         bad.models.list()
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="m", messages=[], max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError, match="n: "):
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, n=17)
     # The router still serves after rejecting bad input.
     assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, temperature=0).choices
 

@@ -7,6 +7,11 @@ drawn with a per-request ``torch.Generator`` seeded from ``seed`` (or ``sampling
 SGLang's name), 0 <= seed < 2**63. Types are strict (``true`` is not an integer) and
 unknown fields are refused, so a feature the worker does not implement (penalties,
 constrained decoding) is never silently ignored.
+
+Logprobs (``token_logprobs``) follow SGLang 0.5.23's sampler: greedy is the log-softmax of
+the raw logits; otherwise the log-softmax of ``logits / temperature``, before top-k/top-p
+(the distribution the draw is made from, before its truncation), as SGLang returns it
+unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 GREEDY_EPS = 1e-5  # as SGLang: a smaller temperature is argmax
 MAX_SEED = 2**63
 MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat top_logprobs; more is a 400 naming the field
 
 
 class SamplingError(ValueError):
@@ -96,3 +102,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         raise SamplingError("the logits cannot be sampled (not finite); the request was ended")
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token: int,
+                   top: int) -> tuple[float, list[tuple[float, int]]]:
+    """(logprob of ``token``, the ``top`` most likely (logprob, id)) under the distribution
+    SGLang reports: raw logits when greedy, else ``logits / temperature``."""
+    x = logits.detach().float()
+    if not params.greedy:
+        x = x / params.temperature
+    lp = torch.log_softmax(x, dim=-1)
+    chosen = float(lp[token])
+    if not top:
+        return chosen, []
+    values, ids = torch.topk(lp, min(top, lp.shape[-1]))
+    return chosen, list(zip(values.tolist(), ids.tolist(), strict=True))

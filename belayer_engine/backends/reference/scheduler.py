@@ -29,7 +29,12 @@ import torch
 
 from belayer.errors import UsageError
 from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
-from belayer_engine.backends.reference.sampling import SamplingError, SamplingParams, sample
+from belayer_engine.backends.reference.sampling import (
+    SamplingError,
+    SamplingParams,
+    sample,
+    token_logprobs,
+)
 from belayer_engine.model.tokenizer import Tokenizer
 
 
@@ -47,6 +52,11 @@ class Request:
     version_start: int | None = None
     generator: torch.Generator | None = None
     created: float = field(default_factory=time.time)
+    # SGLang's return_logprob / top_logprobs_num: None when not asked (no work per step)
+    logprobs: list[float] | None = None
+    top_logprobs_num: int = 0
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+    logprob_texts: dict[int, str] | None = None  # the worker's decode cache (return_text_in_logprobs)
 
 
 class BlockAllocator:
@@ -217,8 +227,12 @@ class BatchScheduler:
                          "status_code": 400 if bad_input else 500, "err_type": type(exc).__name__})
 
     def _emit(self, r: Request) -> None:
-        r.emit({"output_ids": list(r.output), "finish_reason": r.finish_reason,
-                "weight_version": self.version, "weight_version_start": r.version_start})
+        ev = {"output_ids": list(r.output), "finish_reason": r.finish_reason,
+              "weight_version": self.version, "weight_version_start": r.version_start}
+        if r.logprobs is not None:  # cumulative, aligned with output_ids (SGLang's default stream)
+            ev["logprobs"] = list(r.logprobs)
+            ev["top_logprobs"] = None if r.top_logprobs is None else list(r.top_logprobs)
+        r.emit(ev)
 
     def _admit(self) -> list[Request]:
         new, budget = [], self.max_prefill_tokens
@@ -265,6 +279,11 @@ class BatchScheduler:
             try:
                 tok = best if r.params.greedy else sample(row, r.params, r.generator)
                 r.output.append(tok)
+                if r.logprobs is not None:
+                    lp, top = token_logprobs(row, r.params, tok, r.top_logprobs_num)
+                    r.logprobs.append(lp)
+                    if r.top_logprobs is not None:
+                        r.top_logprobs.append(top)
                 reason = self._stop_reason(r, tok)
             except Exception as exc:
                 self._fail(r, exc)

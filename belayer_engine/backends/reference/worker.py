@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import uuid
+from typing import Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from belayer.errors import ArenaLost, BelayerError, UsageError
 from belayer_engine import owner, worker_auth
 from belayer_engine.backends.reference.config import FLAGS, WorkerConfig, add_flags
-from belayer_engine.backends.reference.sampling import SamplingParams
+from belayer_engine.backends.reference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from belayer_engine.backends.reference.scheduler import Request
 from belayer_engine.backends.reference.state import WorkerState
 from belayer_engine.json_body import parse_json_object
@@ -30,7 +31,15 @@ from belayer_engine.json_body import parse_json_object
 
 class GenerateRequest(BaseModel):
     """SGLang ``/generate`` body (single request). Unknown fields (SGLang features this
-    worker does not implement: logprobs, LoRA, images, ...) are refused by name."""
+    worker does not implement: input-token logprobs, LoRA, images, ...) are refused by name.
+
+    ``return_logprob`` / ``top_logprobs_num`` add SGLang's ``meta_info``
+    ``output_token_logprobs`` ([logprob, id, text|None] per output token) and
+    ``output_top_logprobs`` (a list of such entries per output token), cumulative in a
+    stream like ``output_ids``. Input-token logprobs are not computed: ``logprob_start_len``
+    may only be -1 (SGLang's default) and ``input_token_logprobs`` (``input_top_logprobs``)
+    are empty, as SGLang's own are with that default.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -39,6 +48,10 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: Literal[-1] = -1
+    return_text_in_logprobs: bool = False
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -105,7 +118,27 @@ class WorkerApp:
             "completion_tokens": len(ev["output_ids"]), "cached_tokens": 0,
             "weight_version": ev["weight_version"],
             "weight_version_start": ev["weight_version_start"],
-            "e2e_latency": time.time() - req.created}}
+            "e2e_latency": time.time() - req.created, **self._logprobs(req, ev)}}
+
+    def _logprobs(self, req: Request, ev: dict) -> dict:
+        """SGLang's logprob fields of one event (nothing when they were not asked for)."""
+        if "logprobs" not in ev:
+            return {}
+        n = len(ev["logprobs"])
+        texts = req.logprob_texts
+        if texts is not None:  # return_text_in_logprobs: decode each token once
+            decode = self.rt.tokenizer.decode
+            texts.update({i: decode([i], skip_special_tokens=False) for i in ev["output_ids"][:n] if i not in texts})
+            for top in ev["top_logprobs"] or ():
+                texts.update({i: decode([i], skip_special_tokens=False) for _, i in top if i not in texts})
+        name = (lambda i: texts[i]) if texts is not None else (lambda i: None)
+        out = {"input_token_logprobs": [],
+               "output_token_logprobs": [[lp, i, name(i)] for lp, i in zip(ev["logprobs"], ev["output_ids"][:n], strict=True)],
+               "output_token_logprobs_length": n}
+        if ev["top_logprobs"] is not None:
+            out["input_top_logprobs"] = []
+            out["output_top_logprobs"] = [[[lp, i, name(i)] for lp, i in top] for top in ev["top_logprobs"]]
+        return out
 
     async def _parse(self, request: web.Request) -> GenerateRequest:
         body = parse_json_object(await request.read(), "body must be a JSON object (batched requests are not supported)")
@@ -140,6 +173,10 @@ class WorkerApp:
         q: asyncio.Queue[dict] = asyncio.Queue()
         req = Request(rid, list(g.input_ids), g.sampling_params,
                       lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        if g.return_logprob:
+            req.logprobs, req.top_logprobs_num = [], g.top_logprobs_num
+            req.top_logprobs = [] if g.top_logprobs_num else None
+            req.logprob_texts = {} if g.return_text_in_logprobs else None
         try:
             self.rt.scheduler.submit(req)
         except UsageError as exc:
