@@ -91,12 +91,21 @@ class RecoverableEngine(LoopEngine):
         return self.call(_value(self.supervisor.status))
 
     def arena_socket(self, slot: int = 0) -> str:
-        """The Unix socket of slot ``slot``'s arena: ``ArenaClient(...).update_weights`` there
-        pushes new weights to the workers it serves (the trainer's weight sync)."""
+        """The Unix socket of slot ``slot``'s arena. ``ArenaClient(...).update_weights`` there
+        updates that slot alone, and a cold restart of the slot forgets it: the trainer's
+        weight sync is ``update_weights`` (every slot, kept across restarts)."""
         assert self.supervisor is not None
         if not 0 <= slot < len(self.supervisor.slots):
             raise UsageError(f"no slot {slot}: this engine has {len(self.supervisor.slots)}")
         return str(self.supervisor.slots[slot].socket)
+
+    def update_weights(self, state_dict, timeout: float | None = None) -> int:
+        """Push new weights (all or some, by HF name; CPU or CUDA tensors) to every slot under
+        one engine-wide version; returns it once every slot in service serves it. The engine
+        keeps a host copy of the newest value of each updated tensor, so a slot restarted
+        from scratch (its arena lost) serves these weights, never the checkpoint's."""
+        assert self.supervisor is not None
+        return self.call(self.supervisor.update_weights(state_dict), timeout=timeout)
 
     def worker_headers(self) -> dict[str, str]:
         """The header that lets this process talk to the engine's workers directly (tests, tools)."""

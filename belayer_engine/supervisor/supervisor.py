@@ -23,16 +23,20 @@ import contextlib
 import logging
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
-from belayer.errors import DeviceUnhealthy, WorkerLost
+from belayer.errors import ArenaLost, DeviceUnhealthy, UsageError, WorkerLost
 from belayer_engine import worker_auth
+from belayer_engine.arena.client import ArenaClient
 from belayer_engine.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
 from belayer_engine.supervisor.processes import Proc, fence, kill_group, stop_gracefully
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
+from belayer_engine.supervisor.weights import RetainedWeights
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class Supervisor:
         self._procs: SlotProcesses | None = None
         self._tasks: set[asyncio.Task] = set()
         self._reaps: set[asyncio.Task] = set()  # background reaps of killed workers (isolated_kv)
+        self.weights = RetainedWeights()  # re-applied to a slot whose arena starts from scratch
+        self._weights_lock = asyncio.Lock()  # one update at a time; a cold restart waits for it
         self._changed = asyncio.Condition()
         self._stopping = False
 
@@ -376,6 +382,70 @@ class Supervisor:
                 await fence(proc, self.config.fence_timeout_s)
         slot.worker = slot.shadow = slot.endpoint = None
 
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(self, state_dict: Mapping[str, Any]) -> int:
+        """Push new weights (all or some, by HF name) to every slot's arena under one
+        engine-wide version and keep them for slots that start from scratch later; returns
+        the version once every slot in service serves it.
+
+        A slot whose arena does not take the update is taken out of service and cold
+        restarted (the restart applies everything kept here), so no slot in service ever
+        serves older weights than the version returned. Bad names or shapes: UsageError,
+        and no slot changed.
+        """
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise UsageError("update_weights needs a non-empty mapping: HF weight name -> tensor")
+        async with self._weights_lock:
+            live = [s for s in self.slots if not s.excluded]
+            if not live:
+                raise DeviceUnhealthy("update_weights: every slot is excluded")
+            version = max([self.weights.version, *[await self._arena_version(s) for s in live]]) + 1
+            taken: list[str] = []
+            for slot in live:
+                try:
+                    await asyncio.to_thread(self._arena_client(slot).update_weights, state_dict, version)
+                except UsageError:  # bad names/shapes: the first arena refuses before changing anything
+                    raise
+                except (ArenaLost, WorkerLost, OSError) as exc:
+                    await self._restart_for_weights(slot, f"weight update v{version} failed: {exc}")
+                    continue
+                if not taken:  # the first arena validated names and shapes
+                    self.weights.merge(state_dict, version)
+                taken.append(slot.name)
+                self._event(slot, "weights_updated", version=version)
+            if not taken:
+                raise WorkerLost(f"update_weights: no arena took version {version} (slots restart and retry)")
+            return version
+
+    async def _arena_version(self, slot: Slot) -> int:
+        try:
+            return int((await asyncio.to_thread(self._arena_client(slot).describe)).get("version", 0))
+        except (ArenaLost, OSError, ValueError):
+            return 0
+
+    def _arena_client(self, slot: Slot) -> ArenaClient:
+        return ArenaClient(str(slot.socket), timeout=self.config.start_timeout_s)
+
+    async def _restart_for_weights(self, slot: Slot, reason: str) -> None:
+        """Out of service now; cold restart (re-applies the kept weights) in the background."""
+        await self.table.mark_down(slot.name, reason)
+        arena = slot.arena
+        if arena is not None:
+            self._spawn_task(self._handle_arena_failure(slot, arena, reason))
+
+    async def _reapply_weights(self, slot: Slot) -> None:
+        """Give a freshly started arena every update kept so far, at the current version."""
+        async with self._weights_lock:
+            tensors, version = self.weights.snapshot()
+            if not tensors:
+                return
+            try:
+                await asyncio.to_thread(self._arena_client(slot).update_weights, tensors, version)
+            except (ArenaLost, OSError) as exc:
+                raise WorkerLost(f"re-applying weights v{version}: {exc}") from exc
+            self._event(slot, "weights_reapplied", version=version, names=len(tensors))
+
     async def _cold_restart(self, slot: Slot, reason: str) -> None:
         """Arena gone: restart everything of the slot (caller holds the lock)."""
         log.error("slot %s: %s; cold restart of arena and worker", slot.name, reason)
@@ -386,6 +456,7 @@ class Supervisor:
             await fence(slot.arena, self.config.fence_timeout_s)
         try:
             await self._start_arena(slot)
+            await self._reapply_weights(slot)  # never the checkpoint's weights after an update
             await self._route(slot, await self._start_worker(slot, shadow=False))
         except WorkerLost as exc:
             await self._exclude(slot, f"cold restart failed (ArenaLost): {exc}")

@@ -124,7 +124,7 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
     arena = ArenaClient(engine.arena_socket())
     before = {p: _complete(engine, p)[0] for p in PROMPTS}
     lm_head = load_file(ensure_embedded_model() / "model.safetensors")["lm_head.weight"]
-    version = arena.update_weights({"lm_head.weight": lm_head.flip(0)})  # permuted vocabulary rows
+    version = engine.update_weights({"lm_head.weight": lm_head.flip(0)})  # permuted vocabulary rows
     expected = {}
     for p in PROMPTS:
         expected[p], belayer = _complete(engine, p)
@@ -160,12 +160,15 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
     wait_until(lambda: any(e["event"] == "reaped" and e["pid"] == old_pid for e in engine.events()), 60,
                "the killed server reaped in the background")
     assert not process_alive(old_pid)
-    arena.update_weights({"lm_head.weight": lm_head})  # back to the model's weights
+    # Back to the model's weights, through the engine: kept, so the arena test below (a cold
+    # restart) must come back with these, not the checkpoint's (same values, newer version).
+    assert engine.update_weights({"lm_head.weight": lm_head}) == arena.describe()["version"]
 
 
 def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
     engine.wait_ready(timeout=START_S)
     expected, _ = _complete(engine, PROMPTS[1])
+    kept = ArenaClient(engine.arena_socket()).describe()["version"]  # the last engine.update_weights
     arena_pid = engine.status()["slots"]["w0"]["arena_pid"]
     since = time.monotonic()
     started, res = threading.Event(), {}
@@ -178,6 +181,7 @@ def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
     assert not t.is_alive()
     assert res["ids"] == expected, "the request completed on the restarted slot, token-identical"
     assert res["belayer"]["recoveries"] >= 1
+    assert res["belayer"]["weight_versions"] == [kept], "the new arena got the kept weights and their version"
 
 
 def _stream_choices(engine, prompt: str, n: int, max_tokens: int, started: threading.Event, out: dict) -> None:
