@@ -39,7 +39,7 @@ from typing import Any, Literal, get_args
 import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
-from belayer_env import fence
+from belayer_env import disk, fence
 from belayer_env.checkpoint import layer, prestaging, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
@@ -85,9 +85,14 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     tmp = prestaging.docker_tmp(client)
     prestaging.clean_dead_staging(tmp)
     staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged else None
+    layer_image: Path | None = None
     if staged is not None:  # pre-staged and verified against this very manifest
         hook(Phase.STAGED)
-        fs = _Staged.ready(ck, "file-system layer", staged / "layer")
+        if (staged / prestaging.LAYER_IMAGE).is_file() and ck.config.disk_bytes is not None:
+            layer_image = staged / prestaging.LAYER_IMAGE  # the new layer's file system, filled
+            fs: _Staged | None = None
+        else:
+            fs = _Staged.ready(ck, "file-system layer", staged / "layer")
         runtime_images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
     else:
         # unpack + verify both artifacts on Docker's disk, side by side; each is then moved
@@ -107,9 +112,10 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # it takes the name, and starts, only once every one of them is dead
         killing = _Background(fence.kill_listed, client, target, fence.sandbox_containers(client, target, by_name=True))
         try:
-            cid = _create(client, ck, data, f"{target}-restoring-{uuid.uuid4().hex[:8]}", target)
+            cid = _create(client, ck, data, f"{target}-restoring-{uuid.uuid4().hex[:8]}", target, layer_image)
             hook(Phase.CREATED)
-            fs.move_to(_upper(client, cid))
+            if fs is not None:
+                fs.move_to(_upper(client, cid))
             hook(Phase.LAYER_INSTALLED)
             if runtime_images is not None:
                 images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
@@ -233,11 +239,25 @@ class _Staged:
 
 
 
-def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str) -> str:
+def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str,
+            layer_image: Path | None = None) -> str:
     """A created (not started) container with the checkpoint's settings and exact image,
-    named ``name`` and labelled as sandbox ``sandbox``."""
-    config = ck.config.model_copy(update={"image": data.get("image_id") or ck.config.image})
-    return create_container(client, config, name, labels={SANDBOX_NAME: sandbox}).id
+    named ``name`` and labelled as sandbox ``sandbox``; with ``layer_image`` (pre-staged,
+    layer inside) that file system is mounted as its disk-capped layer instead of an
+    empty one."""
+    update: dict[str, Any] = {"image": data.get("image_id") or ck.config.image}
+    if layer_image is not None:
+        update["disk"] = None  # the cap is layer_image's own size
+    cid = create_container(client, ck.config.model_copy(update=update), name, labels={SANDBOX_NAME: sandbox}).id
+    if layer_image is not None:
+        try:
+            with translate_errors(f"inspect restored sandbox {sandbox}"):
+                info = client.api.inspect_container(cid)
+            disk.mount_layer_image(info, layer_image)
+        except BaseException:
+            remove_quietly(client, cid)
+            raise
+    return cid
 
 
 class _Background:
