@@ -4,10 +4,12 @@ Order: read the manifest -> claim a copy pre-staged against exactly this manifes
 (``prestaging``: unpacked + verified ahead of time) or else, on two threads, unpack the
 layer and link/copy the CRIU images onto Docker's disk, checking every byte against the
 manifest -> only once every artifact is verified, fence every container of that sandbox
-(killed, renamed aside; removed after the restore) and create a container with the same
-settings and the exact image the checkpoint was taken on -> rename the verified layer
-into its (empty) upperdir and the images into its checkpoint directory -> start from the
-checkpoint -> check it runs. Nothing is started from bytes that disagree with the
+(killed, renamed aside; removed after the restore) while a container with the same
+settings and the exact image the checkpoint was taken on is created under a name of its
+own (labelled as the sandbox) and gets the verified layer (renamed into its empty
+upperdir, or, pre-staged for a disk-capped sandbox, its whole file system mounted) and
+the images in its checkpoint directory -> once the old ones are dead, it takes the
+sandbox's name -> start from the checkpoint -> check it runs. Nothing is started from bytes that disagree with the
 manifest, and a corrupt or incomplete checkpoint (``RestoreFailed`` naming the artifact)
 leaves a live sandbox of that name untouched. A checkpoint without
 runtime state, or whose runtime CRIU refuses, is restored file-system-only only when the

@@ -21,9 +21,10 @@ import pytest
 
 from belayer.errors import InfraError, RestoreFailed, UsageError
 from belayer_env.checkpoint import full_checkpoint, full_restore, prestage
-from belayer_env.checkpoint.prestaging import PREFIX, docker_root, docker_tmp
+from belayer_env.checkpoint.prestaging import LAYER_IMAGE, PREFIX, docker_root, docker_tmp
 from belayer_env.checkpoint.restore import RESTORE_NAME
 from belayer_env.checkpoint.store import owner_tag
+from belayer_env.disk import layer_dir
 from belayer_env.gc import list_managed, reap
 from belayer_env.ownership import SANDBOX_NAME
 from belayer_env.treehash import tree_hash
@@ -177,3 +178,22 @@ def test_sigkilled_restore_leaves_nothing_running_that_gc_and_a_retry_do_not_rem
     assert restored.execute("cat /root/state")["output"] == "kept\n"
     wait_until(lambda: log_state(restored)[1] and log_state(restored)[0] > 0, 30, "restored counter consistent")
     assert not list(docker_tmp(docker_client).glob(f"{PREFIX}*~{p.pid}-*")), "the dead restore's files stayed"
+
+
+def test_prestaged_capped_layer_is_mounted_whole_and_the_cap_holds(make_sandbox, ck_store, docker_client):
+    sb = make_sandbox(disk="64m")
+    assert sb.execute(FILES)["returncode"] == 0
+    start_counter(sb)
+    before = tree_hash(sb, exclude=EXCLUDE)
+    ck = full_checkpoint(sb, ck_store, 1)
+    staged = prestage(ck, docker_client)
+    assert staged is not None and (staged / LAYER_IMAGE).is_file() and not (staged / "layer").exists()
+    phases: list[str] = []
+    restored = full_restore(ck, client=docker_client, phase_hook=phases.append)
+    assert "staged" in phases, phases
+    assert tree_hash(restored, exclude=EXCLUDE) == before
+    wait_until(lambda: log_state(restored)[1] and log_state(restored)[0] > 0, 30, "restored counter consistent")
+    assert os.path.ismount(layer_dir(docker_client.api.inspect_container(restored.container_id)))
+    r = restored.execute("head -c 100M /dev/zero > /work/big; echo rc=$?")
+    assert "No space left" in r["output"] and "rc=1" in r["output"], r  # the 64m cap holds
+    assert restored.execute("rm /work/big && echo again >> /work/a && cat /work/a")["output"] == "one\nagain\n"
