@@ -77,6 +77,31 @@ def limit_layer(inspect: dict[str, Any], size_bytes: int) -> None:
         image.unlink(missing_ok=True)  # mounted: the loop device holds it; else nothing to keep
 
 
+def prepare_layer_image(root: Path, image: Path, size_bytes: int) -> None:
+    """A ``size_bytes`` ext4 file system in sparse file ``image`` holding the tree ``root``
+    (``diff/``: a checkpoint's layer, ``work/``): what ``limit_layer`` would make and a
+    restore would then fill, made ahead of time (pre-staging) so that a restore only
+    mounts it (``mount_layer_image``). ``mkfs.ext4 -d`` keeps owners, modes, xattrs
+    (overlay's opaque marks), device files (its whiteouts), hardlinks and holes."""
+    with open(image, "wb") as f:
+        f.truncate(size_bytes)
+    _run(["mkfs.ext4", *MKFS_OPTS, "-d", str(root), str(image)], "mkfs.ext4")
+
+
+def mount_layer_image(inspect: dict[str, Any], image: Path) -> None:
+    """Mount ``image`` (``prepare_layer_image``) as the (created, not started) container's
+    writable layer, in place of ``limit_layer``'s empty one; Docker's own ``link`` and
+    ``lower`` files are written into it. ``image`` may be unlinked once this returns."""
+    directory = layer_dir(inspect)
+    if why := unsupported(directory):
+        raise ConfigError(f"cannot apply the sandbox disk limit: {why}; pass disk=None to run without one")
+    docker_files = {n: (directory / n).read_bytes() for n in ("link", "lower") if (directory / n).is_file()}
+    _run(["mount", "-o", "loop", str(image), str(directory)], "mount")
+    for name, data in docker_files.items():
+        (directory / name).write_bytes(data)
+    os.chmod(directory, 0o710)
+
+
 def usage(inspect: dict[str, Any]) -> int | None:
     """Bytes in use on the container's capped layer file system; None when it has no cap."""
     try:

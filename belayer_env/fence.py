@@ -74,7 +74,12 @@ def fence(client: docker.DockerClient, sandbox_name: str, *, background: bool = 
 def kill(client: docker.DockerClient, sandbox_name: str) -> list[str]:
     """``fence`` without the removal: kill every container of the sandbox and rename it
     aside (the name is free); returns the ids left to ``remove_in_background``."""
-    found = sandbox_containers(client, sandbox_name, by_name=True)
+    return kill_listed(client, sandbox_name, sandbox_containers(client, sandbox_name, by_name=True))
+
+
+def kill_listed(client: docker.DockerClient, sandbox_name: str, found: list[dict[str, Any]]) -> list[str]:
+    """``kill`` of the containers ``sandbox_containers`` listed (a restore lists them, then
+    creates the new container while these die)."""
     for c in found:
         thaw(client, c["Id"], paused=c.get("State") == "paused")
     return [c["Id"] for c in found if _kill_and_rename(client, c["Id"], sandbox_name)]

@@ -8,7 +8,12 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   unpause -> hash + write + publish) and ``full_restore`` (fresh container, layer, CRIU).
 - ``belayer (pre-staged)``: the same checkpoint, ``prestage``d first (unpack + verify on
   Docker's disk, what ``start_checkpoint`` does after publish, off the critical path:
-  reported as ``prestage_s``), then ``full_restore`` installs it with renames.
+  reported as ``prestage_s``), then ``full_restore`` installs it with renames. Both use
+  the default image path, ``linked``: Docker's checkpoint directory holds only symlinks
+  to the verified CRIU images.
+- ``belayer (pre-staged, copied)``: the same, with ``images="copied"``: the images
+  themselves go through Docker's start (tar -> containerd's content store -> untar), the
+  path before ``linked`` (docs/checkpoint.md).
 - ``docker``: the naive way: pause -> ``POST /containers/{id}/checkpoints`` (leave running)
   -> ``docker commit --pause=false`` -> unpause; restore = create from the commit, copy the
   checkpoint in, ``start?checkpoint=``.
@@ -75,8 +80,9 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "prestaged", "standby", "fork", "docker", "cold")
-LABELS = {"belayer": "belayer", "prestaged": "belayer (pre-staged)", "standby": "belayer (standby)",
+METHODS = ("belayer", "prestaged", "prestaged_copied", "standby", "fork", "docker", "cold")
+LABELS = {"belayer": "belayer", "prestaged": "belayer (pre-staged)",
+          "prestaged_copied": "belayer (pre-staged, copied)", "standby": "belayer (standby)",
           "fork": "belayer fork x N (all)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
 STANDBY_WAIT_S = 300.0
 
@@ -167,6 +173,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
         assert r["returncode"] == 0, r["output"][-2000:]
     out = {m: {k: [] for k in ("frozen_s", "total_s", "restore_s", "size_bytes")} for m in ("belayer", "docker")}
     out["prestaged"] = {k: [] for k in ("frozen_s", "total_s", "prestage_s", "restore_s", "size_bytes")}
+    out["prestaged_copied"] = {"prestage_s": [], "restore_s": []}
     out["cold"] = {"restore_s": []}
     out["standby"] = {"prepare_s": [], "restore_s": []}
     out["fork"] = {"restore_s": []}
@@ -196,6 +203,14 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             assert "staged" in phases, phases
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["prestaged"][k].append(getattr(ck, k))
+            t0 = time.monotonic()
+            assert prestage(ck, client) is not None, "nothing pre-staged"
+            out["prestaged_copied"]["prestage_s"].append(time.monotonic() - t0)
+            phases = []
+            t0 = time.monotonic()
+            sb = full_restore(ck, client=client, phase_hook=phases.append, images="copied")
+            out["prestaged_copied"]["restore_s"].append(time.monotonic() - t0)
+            assert "staged" in phases, phases
             sb, prepare_s, rollback_s = standby_rollback(client, sb, ck)
             out["standby"]["prepare_s"].append(prepare_s)
             out["standby"]["restore_s"].append(rollback_s)
@@ -210,7 +225,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             print(f"  {scenario} run {i + 1}/{runs}: belayer frozen {ck.frozen_s * 1e3:.0f} ms, total "
                   f"{ck.total_s * 1e3:.0f} ms, restore {out['belayer']['restore_s'][-1] * 1e3:.0f} ms, pre-staged "
                   f"{out['prestaged']['restore_s'][-1] * 1e3:.0f} ms (prestage {out['prestaged']['prestage_s'][-1] * 1e3:.0f}"
-                  " ms) | docker "
+                  f" ms), pre-staged copied {out['prestaged_copied']['restore_s'][-1] * 1e3:.0f} ms | docker "
                   f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
                   flush=True)
     finally:
@@ -246,9 +261,11 @@ def plot(result: dict, path: Path) -> None:
         w = 0.8 / len(METHODS)
         for j, method in enumerate(METHODS):
             vals = [data[method].get(m, {}).get("p50", 0) * 1e3 for m in metrics]
-            ax.bar([k + j * w for k in x], vals, width=w, label=LABELS[method])
+            p90 = [data[method].get(m, {}).get("p90", 0) * 1e3 for m in metrics]
+            ax.bar([k + j * w for k in x], vals, width=w, label=LABELS[method],
+                   yerr=[[0] * len(vals), [max(b - a, 0) for a, b in zip(vals, p90, strict=True)]], capsize=2)
         ax.set_xticks([k + 0.4 - w / 2 for k in x], metrics)
-        ax.set_title(f"{scen} (p50, ms, log scale)")
+        ax.set_title(f"{scen} (bar p50, whisker p90, ms, log)")
         ax.set_yscale("log")
         ax.set_ylabel("ms")
     axes[0].legend()
@@ -290,9 +307,9 @@ def main() -> int:
         print(f"\n{scen}:")
         for m in METHODS:
             cells = "  ".join(f"{k} p50 {v['p50'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
-                              f"{'ms' if k != 'size_bytes' else 'MB'} p95 {v['p95'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
+                              f"{'ms' if k != 'size_bytes' else 'MB'} p90 {v['p90'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
                               for k, v in data.get(m, {}).items())
-            print(f"  {LABELS[m]:22} {cells}")
+            print(f"  {LABELS[m]:29} {cells}")
     print(f"\nwrote {out}")
     return 0
 

@@ -8,7 +8,13 @@ staged copy with one rename and installs layer and images with one rename each.
 Layout, in Docker's tmp dir (same file system as the container upperdirs)::
 
   belayer-restore-prestage-<uuid>~<pid>-<start>   being filled (never read by a restore)
-  belayer-restore-staged-<ckid>~<pid>-<start>     complete: layer/, images/, staged.json
+  belayer-restore-staged-<ckid>~<pid>-<start>     complete: layer/ or layer.img, images/, staged.json
+
+A sandbox with a disk cap (``SandboxConfig.disk``) has its writable layer on a file
+system of its own (``belayer_env.disk``), so a staged ``layer/`` would still be copied
+file by file into it at restore (seconds for a repo of a few thousand files). For such a
+sandbox the layer is staged as ``layer.img``: that file system, made with the layer
+already in it (``disk.prepare_layer_image``); the restore mounts it.
 
 ``staged.json`` (written last, before the rename that completes the copy) records the
 checkpoint id and the sha256 of the manifest the copy was verified against; a restore
@@ -32,6 +38,8 @@ from pathlib import Path
 
 import docker
 
+from belayer.errors import InfraError
+from belayer_env import disk
 from belayer_env.checkpoint import layer, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_alive, owner_tag
@@ -41,6 +49,7 @@ from belayer_env.phases import Phase, PhaseHook, no_hook
 PREFIX = "belayer-restore-"  # what _clean_dead_staging reaps when the owner is gone
 FILLING, STAGED = PREFIX + "prestage-", PREFIX + "staged-"
 RECORD = "staged.json"
+LAYER_IMAGE = "layer.img"
 INFLIGHT_WAIT_S = 60.0
 
 _inflight: dict[str, threading.Event] = {}  # checkpoint id -> set when its prestage ends
@@ -89,8 +98,16 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
         work = tmp / f"{FILLING}{uuid.uuid4().hex[:12]}~{owner_tag()}"
         work.mkdir(mode=0o700, parents=True)
         try:
-            (work / "layer").mkdir(mode=0o700)
-            layer.install(Path(ck.path) / "layer.tar", work / "layer", data["files"]["layer.tar"])
+            size = ck.config.disk_bytes
+            fsroot = work / "fsroot" if size is not None else work
+            (fsroot / "layer").mkdir(mode=0o700, parents=True)
+            layer.install(Path(ck.path) / "layer.tar", fsroot / "layer", data["files"]["layer.tar"])
+            if size is not None:  # the file system a restore mounts as the new container's layer
+                (fsroot / "layer").chmod(0o755)
+                (fsroot / "layer").rename(fsroot / "diff")
+                (fsroot / "work").mkdir(mode=0o700)
+                disk.prepare_layer_image(fsroot, work / LAYER_IMAGE, size)
+                shutil.rmtree(fsroot)
             hook(Phase.LAYER_UNPACKED)
             runtime.install(Path(ck.path), data["files"], work / "images", link=False)  # own bytes
             hook(Phase.IMAGES_VERIFIED)
@@ -99,7 +116,7 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
                                                    "staged_at": time.time()}))
             final = tmp / f"{STAGED}{ck.id}~{owner_tag()}"
             work.rename(final)
-        except (OSError, layer.LayerError, runtime.CriuError):
+        except (OSError, layer.LayerError, runtime.CriuError, InfraError):
             return None
         finally:
             shutil.rmtree(work, ignore_errors=True)  # gone already when renamed
@@ -137,7 +154,7 @@ def claim(client: docker.DockerClient, ck: Checkpoint, manifest_sha256: str) -> 
         record = json.loads((mine / RECORD).read_text())
         images_ok = (mine / "images").is_dir() or not ck.has_runtime
         if (record.get("id") == ck.id and record.get("manifest_sha256") == manifest_sha256
-                and (mine / "layer").is_dir() and images_ok):
+                and ((mine / "layer").is_dir() or (mine / LAYER_IMAGE).is_file()) and images_ok):
             return mine
     except (OSError, ValueError):
         pass

@@ -4,14 +4,26 @@ Order: read the manifest -> claim a copy pre-staged against exactly this manifes
 (``prestaging``: unpacked + verified ahead of time) or else, on two threads, unpack the
 layer and link/copy the CRIU images onto Docker's disk, checking every byte against the
 manifest -> only once every artifact is verified, fence every container of that sandbox
-(killed, renamed aside; removed after the restore) and create a container with the same
-settings and the exact image the checkpoint was taken on -> rename the verified layer
-into its (empty) upperdir and the images into its checkpoint directory -> start from the
-checkpoint -> check it runs. Nothing is started from bytes that disagree with the
+(killed, renamed aside; removed after the restore) while a container with the same
+settings and the exact image the checkpoint was taken on is created under a name of its
+own (labelled as the sandbox) and gets the verified layer (renamed into its empty
+upperdir, or, pre-staged for a disk-capped sandbox, its whole file system mounted) and
+the images in its checkpoint directory -> once the old ones are dead, it takes the
+sandbox's name -> start from the checkpoint -> check it runs. Nothing is started from bytes that disagree with the
 manifest, and a corrupt or incomplete checkpoint (``RestoreFailed`` naming the artifact)
 leaves a live sandbox of that name untouched. A checkpoint without
 runtime state, or whose runtime CRIU refuses, is restored file-system-only only when the
 caller passes ``allow_degraded=True``; the result then says ``.degraded = True``.
+
+How the CRIU images reach CRIU (``images=``, default ``DEFAULT_IMAGES``, env
+``BELAYER_RESTORE_IMAGES``): ``"linked"`` leaves them where they were verified and puts
+only relative symlinks into the container's checkpoint directory, so Docker's start tars,
+hashes and stores a few hundred bytes in containerd's content store and containerd
+unpacks as little, instead of the whole memory dump twice (CRIU follows the links; see
+docs/checkpoint.md). ``"copied"`` moves the images themselves into that directory
+(Docker's own way). Either way Docker, containerd and the shim own the restored
+container: ``docker ps``/``exec``/``stop``/``rm`` and a later checkpoint see an ordinary
+running container.
 """
 
 from __future__ import annotations
@@ -24,33 +36,43 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import docker
 
-from belayer.errors import BelayerError, RestoreFailed
-from belayer_env import fence
+from belayer.errors import BelayerError, RestoreFailed, UsageError
+from belayer_env import disk, fence
 from belayer_env.checkpoint import layer, prestaging, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect, translate_errors
 from belayer_env.fence import remove, remove_quietly
+from belayer_env.ownership import SANDBOX_NAME
 from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.sandbox import DockerSandbox, create_container
 
 RESTORE_NAME = "belayer"  # Docker's checkpoint name inside the new container's directory
 RUNNING_TIMEOUT_S = 30.0
+Images = Literal["linked", "copied"]
+DEFAULT_IMAGES: str = os.environ.get("BELAYER_RESTORE_IMAGES", "linked")
+"""Chosen by measurement (benchmarks/checkpoint_bench.py, docs/checkpoint.md)."""
+LINK_UP = "../" * 64
+"""Prefix of every image link: containerd unpacks the checkpoint directory into a temporary
+directory of its own (depth unknown here), and ``..`` at ``/`` stays at ``/``."""
 
 
 def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client: docker.DockerClient | None = None,
                  phase_hook: PhaseHook | None = None, name: str | None = None,
-                 use_staged: bool = True) -> DockerSandbox:
+                 use_staged: bool = True, images: Images | None = None) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
     ``fork`` and the standby use). ``use_staged=False`` leaves a pre-staged copy for the
-    sandbox's own restore.
+    sandbox's own restore. ``images``: how the CRIU images reach CRIU (module docstring).
     """
+    via = images or DEFAULT_IMAGES
+    if via not in get_args(Images):
+        raise UsageError(f"images must be one of {get_args(Images)}, got {via!r} (BELAYER_RESTORE_IMAGES?)")
     hook = phase_hook or no_hook
     ck = checkpoint
     target = name or ck.sandbox
@@ -65,34 +87,53 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     tmp = prestaging.docker_tmp(client)
     prestaging.clean_dead_staging(tmp)
     staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged else None
+    layer_image: Path | None = None
     if staged is not None:  # pre-staged and verified against this very manifest
         hook(Phase.STAGED)
-        fs = _Staged.ready(ck, "file-system layer", staged / "layer")
-        images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
+        if (staged / prestaging.LAYER_IMAGE).is_file() and ck.config.disk_bytes is not None:
+            layer_image = staged / prestaging.LAYER_IMAGE  # the new layer's file system, filled
+            fs: _Staged | None = None
+        else:
+            fs = _Staged.ready(ck, "file-system layer", staged / "layer")
+        runtime_images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
     else:
         # unpack + verify both artifacts on Docker's disk, side by side; each is then moved
         # into place with one rename
         fs = _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
             Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
-        images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
+        runtime_images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
             Path(ck.path), data["files"], d)) if ck.has_runtime else None
     cid, fenced, degraded = None, [], not ck.has_runtime
+    images_dir: Path | None = None
     try:
-        for part in (fs, images):
+        for part in (fs, runtime_images):
             if part is not None:
                 part.verified()  # before anything touches the sandbox of that name
-        fenced = fence.kill(client, target)
-        cid = _create(client, ck, data, target)
-        hook(Phase.CREATED)
-        fs.move_to(_upper(client, cid))
-        hook(Phase.LAYER_INSTALLED)
-        if images is not None:
-            images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
-            images.move_to(images_dir)
-            # Docker uploads the directory to containerd's content store by digest: two
-            # restores of one checkpoint at once (fork) would collide ("already exists")
-            (images_dir / "belayer-nonce").write_text(uuid.uuid4().hex)
-            hook(Phase.RUNTIME_VERIFIED)
+        # the old containers are listed now and die while the new one is created and filled
+        # under a name of its own (labelled as ``target``: found by the fence from then on);
+        # it takes the name, and starts, only once every one of them is dead
+        killing = _Background(fence.kill_listed, client, target, fence.sandbox_containers(client, target, by_name=True))
+        try:
+            cid = _create(client, ck, data, f"{target}-restoring-{uuid.uuid4().hex[:8]}", target, layer_image)
+            hook(Phase.CREATED)
+            if fs is not None:
+                fs.move_to(_upper(client, cid))
+            hook(Phase.LAYER_INSTALLED)
+            if runtime_images is not None:
+                images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
+                if via == "linked":
+                    runtime_images.link_into(images_dir)
+                else:
+                    runtime_images.move_to(images_dir)
+                # Docker uploads the directory to containerd's content store by digest: two
+                # restores of one checkpoint at once (fork) would collide ("already exists")
+                (images_dir / "belayer-nonce").write_text(uuid.uuid4().hex)
+                hook(Phase.RUNTIME_VERIFIED)
+        finally:
+            fenced = killing.result()
+        with translate_errors(f"name restored sandbox {target}"):
+            client.api.rename(cid, target)
+        if runtime_images is not None:
             try:
                 runtime.start_from(client, cid, RESTORE_NAME)
             except (docker.errors.APIError, BelayerError) as e:
@@ -102,7 +143,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                     raise RestoreFailed(f"checkpoint {ck.id}: CRIU restore failed: {_short(e)}",
                                         checkpoint=ck.id) from e
                 degraded = True
-                cid = _create(client, ck, data, target)
+                cid = _create(client, ck, data, target, target)
                 layer.install(Path(ck.path) / "layer.tar", _upper(client, cid), data["files"]["layer.tar"])
         if degraded:
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
@@ -119,7 +160,9 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             raise RestoreFailed(f"checkpoint {ck.id}: file-system layer unusable: {e}", checkpoint=ck.id) from e
         raise RestoreFailed(f"restore of checkpoint {ck.id} failed: {_short(e)}", checkpoint=ck.id) from e
     finally:
-        for part in (fs, images):
+        if images_dir is not None:  # restored (or failed): CRIU has read them; free the disk
+            shutil.rmtree(images_dir, ignore_errors=True)
+        for part in (fs, runtime_images):
             if part is not None:
                 part.discard()
         if staged is not None:
@@ -183,6 +226,14 @@ class _Staged:
             dest.mkdir(mode=0o755)
             layer.copy_tree(self.dir, dest)
 
+    def link_into(self, dest: Path) -> None:
+        """Make ``dest`` a directory of relative symlinks to the verified files, which stay
+        here until ``discard`` (after the restore)."""
+        self.verified()
+        dest.mkdir(mode=0o700, parents=True)
+        for f in self.dir.iterdir():
+            os.symlink(LINK_UP + str(f.resolve()).lstrip("/"), dest / f.name)
+
     def discard(self) -> None:
         if self._thread is not None:
             self._thread.join()
@@ -190,10 +241,47 @@ class _Staged:
 
 
 
-def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str) -> str:
-    """A created (not started) container with the checkpoint's settings and exact image."""
-    config = ck.config.model_copy(update={"image": data.get("image_id") or ck.config.image})
-    return create_container(client, config, name).id
+def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str,
+            layer_image: Path | None = None) -> str:
+    """A created (not started) container with the checkpoint's settings and exact image,
+    named ``name`` and labelled as sandbox ``sandbox``; with ``layer_image`` (pre-staged,
+    layer inside) that file system is mounted as its disk-capped layer instead of an
+    empty one."""
+    update: dict[str, Any] = {"image": data.get("image_id") or ck.config.image}
+    if layer_image is not None:
+        update["disk"] = None  # the cap is layer_image's own size
+    cid = create_container(client, ck.config.model_copy(update=update), name, labels={SANDBOX_NAME: sandbox}).id
+    if layer_image is not None:
+        try:
+            with translate_errors(f"inspect restored sandbox {sandbox}"):
+                info = client.api.inspect_container(cid)
+            disk.mount_layer_image(info, layer_image)
+        except BaseException:
+            remove_quietly(client, cid)
+            raise
+    return cid
+
+
+class _Background:
+    """``fn(*args)`` on a thread; ``result()`` joins it and returns its value or raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True, name="belayer-restore-fence")
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _upper(client: docker.DockerClient, cid: str) -> Path:
