@@ -434,9 +434,12 @@ class Supervisor:
         if arena is not None:
             self._spawn_task(self._handle_arena_failure(slot, arena, reason))
 
-    async def _reapply_weights(self, slot: Slot) -> None:
-        """Give a freshly started arena every update kept so far, at the current version."""
+    async def _start_arena_with_weights(self, slot: Slot) -> None:
+        """Start the slot's arena and give it every update kept so far, at the current
+        version. Under the weights lock from start to re-apply: an update pushed meanwhile
+        would give the fresh arena a newer version without the earlier updates."""
         async with self._weights_lock:
+            await self._start_arena(slot)
             tensors, version = self.weights.snapshot()
             if not tensors:
                 return
@@ -455,8 +458,7 @@ class Supervisor:
         if slot.arena is not None:
             await fence(slot.arena, self.config.fence_timeout_s)
         try:
-            await self._start_arena(slot)
-            await self._reapply_weights(slot)  # never the checkpoint's weights after an update
+            await self._start_arena_with_weights(slot)  # never the checkpoint's weights after an update
             await self._route(slot, await self._start_worker(slot, shadow=False))
         except WorkerLost as exc:
             await self._exclude(slot, f"cold restart failed (ArenaLost): {exc}")

@@ -29,7 +29,7 @@ import pytest
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 from tests.belayer_engine.conftest import Arena, Worker
-from tests.belayer_engine.test_static_router import RouterCLI, _url, _wait_live
+from tests.belayer_engine.router.router_cli import RouterCLI, _url, _wait_live
 
 pytestmark = pytest.mark.timeout(300)
 
