@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer.procfs import session_members
+from belayer_env.checkpoint.criu_hooks import FreezeHooks, HookRelay
 from belayer_env.checkpoint.manifest import check_file, copy_hashed
 
 RUNC_ROOT = os.environ.get("BELAYER_RUNC_ROOT", "/run/docker/runtime-runc/moby")
@@ -56,7 +57,8 @@ def available(container_id: str | None = None) -> str | None:
 
 
 def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
-         abort: threading.Event | None = None, timeout_s: float | None = None) -> None:
+         abort: threading.Event | None = None, timeout_s: float | None = None,
+         hooks: FreezeHooks | None = None) -> None:
     """CRIU-dump the (paused) container's process tree into ``images``; it keeps running.
 
     ``isolated`` (no network): nothing outside can talk to the frozen sockets, so CRIU's
@@ -71,11 +73,22 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     for the init), and the container can then be neither removed nor restored. Killing
     CRIU may leave the container's processes half-dumped: abort only a sandbox that is
     about to be fenced anyway.
+
+    ``hooks``: CRIU freezes the container itself (its start-up, kernel probing and runc's
+    own work then run before the freeze, not inside it) and calls ``hooks.frozen()``
+    once the processes are stopped and ``hooks.before_resume()`` after the images are
+    written, with the processes still stopped (CRIU action scripts ``network-lock`` and
+    ``post-dump``, relayed through two FIFOs in ``work``). What the caller captures
+    between the two belongs to the same frozen instant as the images. An exception from
+    ``before_resume`` fails the dump (CRIU resumes the processes) and is re-raised.
     """
     images.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
     env = dict(os.environ)
     lines = (["network-lock skip"] if isolated else []) + ([CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else [])
+    relay = HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s) if hooks else None
+    if relay is not None:
+        lines.append(f"action-script {relay.script}")
     if lines:
         conf = work / "criu.conf"
         conf.write_text("\n".join(lines) + "\n")
@@ -83,6 +96,21 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     argv = [RUNC, "--root", RUNC_ROOT, "checkpoint", *CRIU_OPTS,
             "--image-path", str(images), "--work-path", str(work), container_id]
     timeout_s = DUMP_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        _run_dump(argv, env, work, abort, timeout_s)
+    except CriuError:
+        if relay is not None and relay.error is not None:
+            raise relay.error from None  # what the caller's hook said (e.g. a layer too large)
+        raise
+    finally:
+        if relay is not None:
+            relay.close()
+    if relay is not None:
+        relay.check()
+
+
+def _run_dump(argv: list[str], env: dict[str, str], work: Path, abort: threading.Event | None,
+              timeout_s: float) -> None:
     with open(work / "runc.err", "w+") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                 env=env, start_new_session=True)

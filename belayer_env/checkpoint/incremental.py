@@ -1,0 +1,289 @@
+"""Incremental layer capture: only what changed since the previous capture is copied while
+the sandbox is frozen; the full ``layer.tar`` is built after thaw.
+
+Each sandbox has a *mirror* (``<store>/.mirrors/<sandbox>~<owner>/``): a copy of its
+upperdir as of its previous capture, plus an index (path -> ``find`` stat line: device,
+inode, type, mode, links, owner, size, mtime, ctime). Inside the freeze, ``find`` lists the
+upperdir and ``tar --no-recursion`` copies into tmpfs only the entries whose stat line
+differs from the index (or whose ctime is too recent to trust: see ``RACY_NS``). Any write,
+truncate, chmod, chown, xattr change, link or rename of an entry changes its ctime, which
+nothing inside the container can set back. After thaw the mirror is brought to the frozen
+instant (deleted entries removed, the delta unpacked) and tarred, hashed, into the
+checkpoint: every checkpoint holds a complete layer and needs no parent.
+
+Bases, best first: the sandbox's own mirror (its index matches entry by entry); the
+checkpoint a restored sandbox came from (``restored_from``: entries whose ctime is older
+than the restore's ``layer_installed_ns`` are still what that checkpoint's layer unpacked
+(checked after thaw against the unpacked layer, by path and by type); its ``layer.tar`` is
+opened before the freeze, so retention cannot take it away meanwhile); none (everything is
+copied, as a full capture). A mirror whose update did not finish has no index and is
+rebuilt from scratch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from belayer_env.checkpoint import layer
+from belayer_env.checkpoint.manifest import read_manifest
+
+INDEX = "index.json"
+TREE = "tree"
+RACY_NS = 50_000_000
+"""Entries whose ctime is this close to a reference instant (the scan; a restore's layer
+install) are never trusted as unchanged: a coarse file-system clock (one tick, <= 10 ms)
+could give a later write the same or an older ctime."""
+_FIND_FMT = r"%P\0%D %i %y %m %n %U %G %s %T@ %C@\0"
+
+
+class Mirror:
+    """The mirror of one sandbox in one store (used under the store's lock of that sandbox)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.tree = root / TREE
+
+    def load(self, upper: Path) -> dict[str, str] | None:
+        """The index, when it describes this very upperdir; else None."""
+        try:
+            data = json.loads((self.root / INDEX).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("upper") != str(upper) or not self.tree.is_dir():
+            return None
+        entries = data.get("entries")
+        return entries if isinstance(entries, dict) else None
+
+    def drop(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Base:
+    """What the frozen scan compares against (prepared before the freeze)."""
+
+    def __init__(self, kind: str, index: dict[str, str] | None = None, older_than_ns: int = 0,
+                 layer_file: Any = None, layer_meta: dict[str, Any] | None = None, source: str | None = None):
+        self.kind, self.index, self.older_than_ns = kind, index, older_than_ns
+        self.layer_file, self.layer_meta, self.source = layer_file, layer_meta, source
+
+    def unchanged(self, path: str, line: str) -> bool:
+        if self.kind == "mirror":
+            assert self.index is not None
+            return self.index.get(path) == line
+        if self.kind == "checkpoint":
+            return ctime_ns(line) < self.older_than_ns
+        return False
+
+    def close(self) -> None:
+        if self.layer_file is not None:
+            self.layer_file.close()
+            self.layer_file = None
+
+
+def prepare(mirror: Mirror, upper: Path, restored_from: str | None, store: Any, installed_ns: int | None) -> Base:
+    """Pick the base before the freeze (everything slow happens here). ``installed_ns``:
+    when a restore had the layer of ``restored_from`` in place, before any process ran."""
+    index = mirror.load(upper)
+    if index is not None:
+        return Base("mirror", index=index)
+    if restored_from and installed_ns:
+        with contextlib.suppress(Exception):  # no usable checkpoint: a full capture, not an error
+            ck = store.get(restored_from)
+            meta = read_manifest(ck.path)["files"]["layer.tar"]
+            f = open(Path(ck.path) / "layer.tar", "rb")  # noqa: SIM115 - held open: retention may remove it
+            return Base("checkpoint", older_than_ns=installed_ns - RACY_NS, layer_file=f, layer_meta=meta,
+                        source=ck.id)
+    return Base("none")
+
+
+class Delta:
+    """Scan + copy of the changed entries, started once frozen (``start``), awaited before
+    the sandbox resumes (``wait``)."""
+
+    def __init__(self, upper: Path, scratch: Path, base: Base, max_bytes: int | None):
+        self.upper, self.scratch, self.base, self.max_bytes = upper, scratch, base, max_bytes
+        self.tar = scratch / "delta.tar"
+        self.scan: dict[str, str] = {}
+        self.changed: list[str] = []
+        self.scan_ns = 0
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="belayer-layer-delta")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.scan_ns = time.time_ns()
+            self.scan = scan(self.upper)
+            self.changed = [p for p, line in self.scan.items() if not self.base.unchanged(p, line)]
+            if self.changed:
+                copy_entries(self.upper, self.changed, self.tar, self.scratch / "delta.list", self.max_bytes)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait
+            self.error = e
+
+    def wait(self) -> None:
+        if self._thread is None:
+            self.start()
+        assert self._thread is not None
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def index(self) -> dict[str, str]:
+        """The new index: racy entries get a line that never matches."""
+        limit = self.scan_ns - RACY_NS
+        return {p: (line if ctime_ns(line) < limit else line + " racy") for p, line in self.scan.items()}
+
+
+def scan(upper: Path) -> dict[str, str]:
+    """Every entry of ``upper`` (``.`` for itself) -> its stat line, in one ``find``."""
+    proc = subprocess.run(["find", str(upper), "-printf", _FIND_FMT], capture_output=True)
+    if proc.returncode != 0:
+        raise layer.LayerChanged(f"find {upper} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}")
+    parts = proc.stdout.split(b"\0")
+    out = {}
+    for i in range(0, len(parts) - 1, 2):
+        out[os.fsdecode(parts[i]) or "."] = parts[i + 1].decode()
+    return out
+
+
+def copy_entries(upper: Path, paths: list[str], dest: Path, listing: Path, max_bytes: int | None) -> None:
+    """tar exactly ``paths`` (no recursion) of ``upper`` into ``dest``."""
+    listing.write_bytes(b"".join(os.fsencode("./" + p if p != "." else ".") + b"\0" for p in paths))
+    argv = ["tar", "--create", "--sparse", "--no-recursion", "--null", f"--file={dest}", *layer.TAR_OPTS,
+            f"--directory={upper}", f"--files-from={listing}"]  # -C before -T: positional
+    if max_bytes is not None and shutil.which("prlimit"):
+        argv = ["prlimit", f"--fsize={max_bytes}:{max_bytes}", "--", *argv]
+    proc = subprocess.run(argv, capture_output=True)
+    if proc.returncode != 0:
+        if max_bytes is not None and dest.exists() and dest.stat().st_size >= max_bytes:
+            raise layer.LayerTooLarge(f"the writable layer's changes are larger than the checkpoint limit of "
+                                      f"{max_bytes} bytes (CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
+        raise layer.LayerError(f"tar of the changed entries of {upper} failed ({proc.returncode}): "
+                               f"{proc.stderr.decode(errors='replace').strip()[-500:]}")
+
+
+def update(mirror: Mirror, upper: Path, delta: Delta) -> None:
+    """After thaw: make the mirror the upperdir of the frozen instant, then record the index."""
+    base = delta.base
+    with contextlib.suppress(FileNotFoundError):
+        (mirror.root / INDEX).unlink()  # from here until the new index, the mirror is unusable
+    mirror.root.parent.mkdir(mode=0o700, exist_ok=True)
+    mirror.root.mkdir(mode=0o700, exist_ok=True)
+    if base.kind != "mirror":
+        shutil.rmtree(mirror.tree, ignore_errors=True)
+        mirror.tree.mkdir(mode=0o755)
+    changed = set(delta.changed)
+    if base.kind == "checkpoint":
+        layer.install(Path(f"/proc/self/fd/{base.layer_file.fileno()}"), mirror.tree, base.layer_meta)
+        unpacked = scan(mirror.tree)
+        wrong = [p for p, line in delta.scan.items() if p not in changed and not _same_entry(line, unpacked.get(p))]
+        if wrong:
+            raise layer.LayerError(f"{len(wrong)} entries unchanged since the restore of {base.source} differ from "
+                                   f"its layer (e.g. {wrong[0]!r})")
+        present = set(unpacked)
+    elif base.kind == "mirror":
+        assert base.index is not None
+        present = set(base.index)
+    else:
+        present = set()
+    gone = sorted(present - set(delta.scan), key=lambda x: x.count("/"), reverse=True)
+    for p in gone:
+        _remove(mirror.tree / p)
+    for p in delta.changed:
+        _clear(mirror.tree / p, delta.scan[p].split()[2] == "d")
+    if delta.changed:
+        proc = subprocess.run(["tar", "--extract", f"--file={delta.tar}", f"--directory={mirror.tree}", *layer.TAR_OPTS,
+                               "--same-permissions", "--same-owner"], capture_output=True)
+        if proc.returncode != 0:
+            raise layer.LayerError(f"unpacking the changed entries into {mirror.tree} failed: "
+                                   f"{proc.stderr.decode(errors='replace').strip()[-500:]}")
+    # removing or recreating an entry touched its directory's mtime in the mirror: put back
+    # the frozen instant's (a directory that itself changed got it from the delta)
+    for d in {os.path.dirname(p) or "." for p in (*gone, *delta.changed) if p != "."} - changed:
+        line = delta.scan.get(d)
+        if line is not None:
+            target = mirror.tree / d
+            mtime = _ns(line.split()[8])
+            os.utime(target, ns=(os.lstat(target).st_atime_ns, mtime), follow_symlinks=False)
+    tmp = mirror.root / (INDEX + ".tmp")
+    tmp.write_text(json.dumps({"upper": str(upper), "entries": delta.index()}))
+    os.replace(tmp, mirror.root / INDEX)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _clear(path: Path, new_is_dir: bool) -> None:
+    """Make room for a changed entry: a non-directory goes (tar recreates it); a directory
+    that stays one keeps its children but loses its xattrs (tar sets the captured ones)."""
+    try:
+        is_dir = path.is_dir() and not path.is_symlink()
+    except OSError:
+        return
+    if not path.exists() and not path.is_symlink():
+        return
+    if is_dir and new_is_dir:
+        for name in os.listxattr(path, follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                os.removexattr(path, name, follow_symlinks=False)
+        return
+    _remove(path)
+
+
+def _same_entry(line: str, other: str | None) -> bool:
+    """Same type, mode, owner, mtime (and size, for non-directories) in two stat lines."""
+    if other is None:
+        return False
+    a, b = line.split(), other.split()
+    fields = (2, 3, 5, 6, 8) if a[2] == "d" else (2, 3, 5, 6, 7, 8)
+    return all(a[i] == b[i] for i in fields)
+
+
+def ctime_ns(line: str) -> int:
+    return _ns(line.split()[9])
+
+
+def _ns(stamp: str) -> int:
+    sec, _, frac = stamp.partition(".")
+    return int(sec) * 1_000_000_000 + int((frac + "000000000")[:9])
+
+
+def tar_tree(tree: Path, fo: Any, max_bytes: int | None) -> tuple[int, str]:
+    """``tar`` of the mirror into ``fo`` (hashing on the way): the checkpoint's layer.tar."""
+    import hashlib
+
+    from belayer_env.checkpoint.manifest import CHUNK
+
+    proc = subprocess.Popen(["tar", "--create", "--sparse", "--file=-", f"--directory={tree}", *layer.TAR_OPTS, "."],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    h, size = hashlib.sha256(), 0
+    while chunk := proc.stdout.read(CHUNK):
+        h.update(chunk)
+        fo.write(chunk)
+        size += len(chunk)
+        if max_bytes is not None and size > max_bytes:
+            proc.kill()
+            proc.wait()
+            raise layer.LayerTooLarge(f"the writable layer is larger than the checkpoint limit of {max_bytes} bytes "
+                                      "(CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if proc.wait() != 0:
+        raise layer.LayerError(f"tar of the mirror {tree} failed: {err.strip()[-500:]}")
+    return size, h.hexdigest()
