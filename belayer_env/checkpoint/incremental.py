@@ -37,10 +37,10 @@ from belayer_env.checkpoint.manifest import read_manifest
 
 INDEX = "index.json"
 TREE = "tree"
-RACY_NS = 50_000_000
+RACY_NS = 20_000_000
 """Entries whose ctime is this close to a reference instant (the scan; a restore's layer
 install) are never trusted as unchanged: a coarse file-system clock (one tick, <= 10 ms)
-could give a later write the same or an older ctime."""
+could give a later write the same or an older ctime (5 ticks at HZ=250)."""
 _FIND_FMT = r"%P\0%D %i %y %m %n %U %G %s %T@ %C@\0"
 
 
