@@ -2,11 +2,14 @@
 
 Two ways to freeze (``capture``, default ``$BELAYER_CAPTURE`` else ``incremental``):
 
-- ``incremental``: CRIU freezes the container itself, so runc's and CRIU's start-up run
-  before the freeze; inside it, alongside the memory dump, only the layer entries changed
-  since the previous capture are copied into tmpfs (``incremental``); CRIU resumes the
-  processes once that copy is done (its post-dump action script, ``criu_hooks``).
-  ``frozen_s`` is CRIU's own frozen time (freezing + frozen, from its statistics).
+- ``incremental``: runc's and CRIU's start-up run while the sandbox runs; the cgroup is
+  frozen (by us: CRIU's own freeze polls in 100 ms steps) only when CRIU is about to seize
+  it; inside the freeze, alongside the memory dump, only the layer entries changed since
+  the previous capture (or since the restore the sandbox came from) are copied into tmpfs
+  (``incremental``); the cgroup is thawed as soon as CRIU lets go (action scripts,
+  ``criu_hooks``). runc, CRIU and the copy run at a raised priority
+  (``runtime.CRIU_NICE``). ``frozen_s`` is our freeze to our thaw; the manifest's
+  ``frozen_detail`` says where it went.
 - ``paused``: Docker pauses the container, CRIU dumps it and tar copies the whole upperdir
   side by side, Docker unpauses it (what Belayer did before; ``frozen_s`` from pause
   returned to unpause returned).
@@ -195,7 +198,7 @@ def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: P
         tar = layer.Capture(upper, scratch / "layer.tar", max_layer)
         if with_runtime:
             runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network,
-                         abort=abort)
+                         abort=abort, boosted=False)
             hook(Phase.RUNTIME_DUMPED)
         try:
             tar.wait()

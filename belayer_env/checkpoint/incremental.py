@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from belayer_env.checkpoint import layer
+from belayer_env.checkpoint import layer, runtime
 from belayer_env.checkpoint.manifest import read_manifest
 
 INDEX = "index.json"
@@ -147,7 +147,7 @@ class Delta:
 
 def scan(upper: Path) -> dict[str, str]:
     """Every entry of ``upper`` (``.`` for itself) -> its stat line, in one ``find``."""
-    proc = subprocess.run(["find", str(upper), "-printf", _FIND_FMT], capture_output=True)
+    proc = _run_boosted(["find", str(upper), "-printf", _FIND_FMT])
     if proc.returncode != 0:
         raise layer.LayerChanged(f"find {upper} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}")
     parts = proc.stdout.split(b"\0")
@@ -164,13 +164,21 @@ def copy_entries(upper: Path, paths: list[str], dest: Path, listing: Path, max_b
             f"--directory={upper}", f"--files-from={listing}"]  # -C before -T: positional
     if max_bytes is not None and shutil.which("prlimit"):
         argv = ["prlimit", f"--fsize={max_bytes}:{max_bytes}", "--", *argv]
-    proc = subprocess.run(argv, capture_output=True)
+    proc = _run_boosted(argv)
     if proc.returncode != 0:
         if max_bytes is not None and dest.exists() and dest.stat().st_size >= max_bytes:
             raise layer.LayerTooLarge(f"the writable layer's changes are larger than the checkpoint limit of "
                                       f"{max_bytes} bytes (CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
         raise layer.LayerError(f"tar of the changed entries of {upper} failed ({proc.returncode}): "
                                f"{proc.stderr.decode(errors='replace').strip()[-500:]}")
+
+
+def _run_boosted(argv: list[str]) -> subprocess.CompletedProcess[bytes]:
+    """``subprocess.run`` in a session of its own at ``runtime.CRIU_NICE`` (it runs frozen)."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as proc:
+        runtime.boost(proc.pid)
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def update(mirror: Mirror, upper: Path, delta: Delta) -> None:
