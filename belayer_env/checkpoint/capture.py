@@ -123,7 +123,7 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
             staging = store.new_staging(ck_id)
             if delta is not None and mirror is not None:
                 try:
-                    incremental.update(mirror, upper, delta)
+                    incremental.update(mirror, upper, delta, ck_id)
                 except BaseException:
                     mirror.drop()  # never trusted again half-updated
                     raise

@@ -11,8 +11,11 @@ nothing inside the container can set back. After thaw the mirror is brought to t
 instant (deleted entries removed, the delta unpacked) and tarred, hashed, into the
 checkpoint: every checkpoint holds a complete layer and needs no parent.
 
-Bases, best first: the sandbox's own mirror (its index matches entry by entry); the
-checkpoint a restored sandbox came from (``restored_from``: entries whose ctime is older
+Bases, best first: the sandbox's own mirror (its index matches entry by entry); for a
+restored sandbox, the mirror when its last tar became the checkpoint restored (entries
+older than the restore's ``layer_installed_ns`` are that layer's, checked after thaw
+against the mirror's index by type, mode, owner, size and mtime); the checkpoint a
+restored sandbox came from (``restored_from``: entries whose ctime is older
 than the restore's ``layer_installed_ns`` are still what that checkpoint's layer unpacked
 (checked after thaw against the unpacked layer, by path and by type); its ``layer.tar`` is
 opened before the freeze, so retention cannot take it away meanwhile); none (everything is
@@ -51,16 +54,20 @@ class Mirror:
         self.root = root
         self.tree = root / TREE
 
-    def load(self, upper: Path) -> dict[str, str] | None:
-        """The index, when it describes this very upperdir; else None."""
+    def read(self) -> dict[str, Any] | None:
+        """The index (``upper``, ``checkpoint``, ``entries``), if the mirror is complete."""
         try:
             data = json.loads((self.root / INDEX).read_text())
         except (OSError, ValueError):
             return None
-        if not isinstance(data, dict) or data.get("upper") != str(upper) or not self.tree.is_dir():
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict) or not self.tree.is_dir():
             return None
-        entries = data.get("entries")
-        return entries if isinstance(entries, dict) else None
+        return data
+
+    def load(self, upper: Path) -> dict[str, str] | None:
+        """The index's entries, when it describes this very upperdir; else None."""
+        data = self.read()
+        return data["entries"] if data is not None and data.get("upper") == str(upper) else None
 
     def drop(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -78,7 +85,7 @@ class Base:
         if self.kind == "mirror":
             assert self.index is not None
             return self.index.get(path) == line
-        if self.kind == "checkpoint":
+        if self.kind in ("checkpoint", "restored-mirror"):
             return ctime_ns(line) < self.older_than_ns
         return False
 
@@ -94,6 +101,11 @@ def prepare(mirror: Mirror, upper: Path, restored_from: str | None, store: Any, 
     index = mirror.load(upper)
     if index is not None:
         return Base("mirror", index=index)
+    data = mirror.read()
+    if restored_from and installed_ns and data is not None and data.get("checkpoint") == restored_from:
+        # restored from the checkpoint this mirror was last tarred into: the mirror is its layer
+        return Base("restored-mirror", index=data["entries"], older_than_ns=installed_ns - RACY_NS,
+                    source=restored_from)
     if restored_from and installed_ns:
         with contextlib.suppress(Exception):  # no usable checkpoint: a full capture, not an error
             ck = store.get(restored_from)
@@ -181,14 +193,15 @@ def _run_boosted(argv: list[str]) -> subprocess.CompletedProcess[bytes]:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def update(mirror: Mirror, upper: Path, delta: Delta) -> None:
-    """After thaw: make the mirror the upperdir of the frozen instant, then record the index."""
+def update(mirror: Mirror, upper: Path, delta: Delta, checkpoint_id: str) -> None:
+    """After thaw: make the mirror the upperdir of the frozen instant, then record the index
+    (and ``checkpoint_id``, the checkpoint its tar goes into)."""
     base = delta.base
     with contextlib.suppress(FileNotFoundError):
         (mirror.root / INDEX).unlink()  # from here until the new index, the mirror is unusable
     mirror.root.parent.mkdir(mode=0o700, exist_ok=True)
     mirror.root.mkdir(mode=0o700, exist_ok=True)
-    if base.kind != "mirror":
+    if base.kind not in ("mirror", "restored-mirror"):
         shutil.rmtree(mirror.tree, ignore_errors=True)
         mirror.tree.mkdir(mode=0o755)
     changed = set(delta.changed)
@@ -200,6 +213,13 @@ def update(mirror: Mirror, upper: Path, delta: Delta) -> None:
             raise layer.LayerError(f"{len(wrong)} entries unchanged since the restore of {base.source} differ from "
                                    f"its layer (e.g. {wrong[0]!r})")
         present = set(unpacked)
+    elif base.kind == "restored-mirror":
+        assert base.index is not None
+        wrong = [p for p, line in delta.scan.items() if p not in changed and not _same_entry(line, base.index.get(p))]
+        if wrong:
+            raise layer.LayerError(f"{len(wrong)} entries unchanged since the restore of {base.source} differ from "
+                                   f"its layer (e.g. {wrong[0]!r})")
+        present = set(base.index)
     elif base.kind == "mirror":
         assert base.index is not None
         present = set(base.index)
@@ -225,7 +245,7 @@ def update(mirror: Mirror, upper: Path, delta: Delta) -> None:
             mtime = _ns(line.split()[8])
             os.utime(target, ns=(os.lstat(target).st_atime_ns, mtime), follow_symlinks=False)
     tmp = mirror.root / (INDEX + ".tmp")
-    tmp.write_text(json.dumps({"upper": str(upper), "entries": delta.index()}))
+    tmp.write_text(json.dumps({"upper": str(upper), "checkpoint": checkpoint_id, "entries": delta.index()}))
     os.replace(tmp, mirror.root / INDEX)
 
 

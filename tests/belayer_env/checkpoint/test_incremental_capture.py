@@ -108,7 +108,8 @@ def test_chain_of_three_incremental_checkpoints_each_restores(make_sandbox, ck_s
         if step == 2:  # go on from a restore of checkpoint 2: checkpoint 3 compares with its layer
             sb = _restored_long_ago(taken[-1][0], docker_client)
             assert http_get(sb, 8000) == hits + 1
-    assert [_meta(ck)["layer_base"].split(":")[0] for ck, _, _ in taken] == ["none", "mirror", "checkpoint"]
+    # checkpoint 3: the restored sandbox's entries compared with the mirror checkpoint 2 was tarred from
+    assert [_meta(ck)["layer_base"].split(":")[0] for ck, _, _ in taken] == ["none", "mirror", "restored-mirror"]
     assert _meta(taken[2][0])["layer_entries_copied"] < 200 < _meta(taken[2][0])["layer_entries"]
     for ck, tree, hits in reversed(taken):
         restored = full_restore(ck, client=docker_client)
@@ -118,8 +119,9 @@ def test_chain_of_three_incremental_checkpoints_each_restores(make_sandbox, ck_s
 
 def test_checkpoint_needs_no_parent(make_sandbox, ck_store, docker_client):
     """Every checkpoint is self-sufficient: with the previous checkpoint removed from the
-    store, the incremental one still restores; and a checkpoint whose restore base is
-    removed while the capture is frozen is still complete."""
+    store, the incremental one still restores; and a checkpoint whose restore base (the
+    layer.tar of the checkpoint restored, when there is no mirror) is removed while the
+    capture is frozen is still complete."""
     sb = make_sandbox()
     assert sb.execute(BIG + " && echo a > /work/a")["returncode"] == 0
     first = full_checkpoint(sb, ck_store, 1)
@@ -137,6 +139,7 @@ def test_checkpoint_needs_no_parent(make_sandbox, ck_store, docker_client):
         if phase == "frozen":
             ck_store.remove(second.id)  # retention takes the restore's base mid-capture
 
+    ck_store.drop_mirror(sb.name)  # no mirror: the base is checkpoint 2's own layer.tar
     third = full_checkpoint(restored, ck_store, 3, phase_hook=drop_base)
     assert _meta(third)["layer_base"] == f"checkpoint:{second.id}"
     assert [c.id for c in ck_store.list(sb.name)] == [third.id]
