@@ -102,7 +102,9 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
                 base = incremental.prepare(mirror, upper, getattr(sandbox, "restored_from", None), store,
                                            getattr(sandbox, "layer_installed_ns", None))
                 try:
-                    delta = incremental.Delta(upper, scratch, base, store.max_layer_bytes)
+                    control = freezer.control_file(sandbox.container_id)
+                    delta = incremental.Delta(upper, scratch, base, store.max_layer_bytes,
+                                              control.parent / "cgroup.procs" if control else None)
                     frozen_s, extra["frozen_detail"] = _frozen_incremental(sandbox, info, scratch, delta, runtime,
                                                                           hook, _abort)
                 except BaseException:

@@ -120,11 +120,13 @@ class Delta:
     """Scan + copy of the changed entries, started once frozen (``start``), awaited before
     the sandbox resumes (``wait``)."""
 
-    def __init__(self, upper: Path, scratch: Path, base: Base, max_bytes: int | None):
+    def __init__(self, upper: Path, scratch: Path, base: Base, max_bytes: int | None, procs: Path | None = None):
         self.upper, self.scratch, self.base, self.max_bytes = upper, scratch, base, max_bytes
+        self.procs = procs
         self.tar = scratch / "delta.tar"
         self.scan: dict[str, str] = {}
         self.changed: list[str] = []
+        self.mapped: set[str] = set()
         self.scan_ns = 0
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -137,7 +139,10 @@ class Delta:
         try:
             self.scan_ns = time.time_ns()
             self.scan = scan(self.upper)
-            self.changed = [p for p, line in self.scan.items() if not self.base.unchanged(p, line)]
+            writable = shared_writable(self.procs) if self.procs is not None else set()
+            self.mapped = {p for p, line in self.scan.items() if int(line.split()[1]) in writable}
+            self.changed = [p for p, line in self.scan.items()
+                            if p in self.mapped or not self.base.unchanged(p, line)]
             if self.changed:
                 copy_entries(self.upper, self.changed, self.tar, self.scratch / "delta.list", self.max_bytes)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait
@@ -154,7 +159,35 @@ class Delta:
     def index(self) -> dict[str, str]:
         """The new index: racy entries get a line that never matches."""
         limit = self.scan_ns - RACY_NS
-        return {p: (line if ctime_ns(line) < limit else line + " racy") for p, line in self.scan.items()}
+        return {p: (line if ctime_ns(line) < limit and p not in self.mapped else line + " racy")
+                for p, line in self.scan.items()}
+
+
+def shared_writable(procs: Path) -> set[int]:
+    """Inode numbers of every file of the container's root file system mapped shared and
+    writable by a process listed in ``procs`` (a cgroup's ``cgroup.procs``). Writes through
+    such a mapping change the file without changing its ctime (only a write fault does, and
+    a writable page faults once), so these files are copied now and at the next capture.
+    /proc/PID/maps names the overlay's device and, for a file of the upper layer (a file
+    mapped writable always is one: opening it for writing copied it up), the upper inode."""
+    out: set[int] = set()
+    try:
+        pids = procs.read_text().split()
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            root = os.stat(f"/proc/{pid}/root").st_dev
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) >= 5 and fields[1][1] == "w" and fields[1][3] == "s" and fields[4] != "0":
+                        major, minor = fields[3].split(":")
+                        if os.makedev(int(major, 16), int(minor, 16)) == root:
+                            out.add(int(fields[4]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 def scan(upper: Path) -> dict[str, str]:

@@ -145,3 +145,36 @@ def test_checkpoint_needs_no_parent(make_sandbox, ck_store, docker_client):
     assert [c.id for c in ck_store.list(sb.name)] == [third.id]
     again = full_restore(third, client=docker_client)
     assert tree_hash(again, exclude=EXCLUDE) == before
+
+
+MAPPER = r'''
+import mmap, os, time
+f = open("/work/m.bin", "r+b")
+m = mmap.mmap(f.fileno(), 4096)  # shared, writable: later writes need no page fault
+m[0:5] = b"one.."
+open("/work/m.ready1", "w").close()
+while not os.path.exists("/work/m.go2"):
+    time.sleep(0.01)
+m[0:5] = b"two.."  # same page, already writable: the file's ctime does not change
+open("/work/m.ready2", "w").close()
+while True:
+    time.sleep(1)
+'''
+
+
+def test_writes_through_a_shared_mapping_are_captured(make_sandbox, ck_store, docker_client):
+    """A write through an already-writable shared mapping leaves the file's ctime alone: a
+    file mapped shared-writable by a process of the sandbox is copied at every capture
+    (and at the one after it is unmapped)."""
+    sb = make_sandbox()
+    r = sb.execute("mkdir -p /work && head -c 4096 /dev/zero > /work/m.bin && cat > /opt/t/mapper.py <<'EOF'\n"
+                   f"{MAPPER}\nEOF\nsetsid python3 /opt/t/mapper.py >/dev/null 2>&1 </dev/null &")
+    assert r["returncode"] == 0, r
+    wait_until(lambda: sb.execute("test -e /work/m.ready1")["returncode"] == 0, 30, "mapper wrote once")
+    full_checkpoint(sb, ck_store, 1)
+    sb.execute("touch /work/m.go2")
+    wait_until(lambda: sb.execute("test -e /work/m.ready2")["returncode"] == 0, 30, "mapper wrote twice")
+    second = full_checkpoint(sb, ck_store, 2)
+    assert _meta(second)["layer_base"] == "mirror"
+    restored = full_restore(second, client=docker_client)
+    assert restored.execute("head -c 5 /work/m.bin")["output"] == "two.."
