@@ -113,6 +113,7 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
                 extra["layer_base"] = base.kind if base.source is None else f"{base.kind}:{base.source}"
                 extra["layer_entries_copied"] = len(delta.changed)
                 extra["layer_entries"] = len(delta.scan)
+                extra["layer_copied_twice"] = delta.retried  # CRIU's temp dir seen: copied again once CRIU was done
             else:
                 frozen_s = _frozen_part(sandbox, info, upper, scratch, runtime, hook, _abort, store.max_layer_bytes)
             phase = "thawed"

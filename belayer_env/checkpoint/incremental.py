@@ -127,6 +127,7 @@ class Delta:
         self.scan: dict[str, str] = {}
         self.changed: list[str] = []
         self.mapped: set[str] = set()
+        self.retried = False
         self.scan_ns = 0
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -149,10 +150,20 @@ class Delta:
             self.error = e
 
     def wait(self) -> None:
+        """Wait for the copy (still frozen). CRIU briefly makes a directory in the
+        container's /tmp (or /) to read an over-mounted tmpfs (``cr-tmpfs.XXXXXX``,
+        ``.criu.mntns.XXXXXX``): a scan that saw one, or a copy that lost an entry
+        meanwhile, is done again now, CRIU's dump being over."""
         if self._thread is None:
             self.start()
         assert self._thread is not None
         self._thread.join()
+        if isinstance(self.error, layer.LayerTooLarge):
+            raise self.error
+        if self.error is not None or any(_criu_temp(p) for p in self.changed):
+            self.error = None
+            self.retried = True
+            self._run()
         if self.error is not None:
             raise self.error
 
@@ -188,6 +199,11 @@ def shared_writable(procs: Path) -> set[int]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+def _criu_temp(path: str) -> bool:
+    name = path.rpartition("/")[2]
+    return path.count("/") <= 1 and (name.startswith("cr-tmpfs.") or name.startswith(".criu.mntns."))
 
 
 def scan(upper: Path) -> dict[str, str]:
