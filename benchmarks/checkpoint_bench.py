@@ -87,7 +87,7 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 METHODS = ("belayer", "paused", "prestaged", "standby", "fork", "docker", "cold")
 STEP = "mkdir -p /work/steps && for i in 1 2 3 4 5; do echo {i} >> /work/steps/log$i; done && echo {i} > /work/steps/last"
 """An agent-like step before every capture: a few small files appended to or rewritten."""
-LABELS = {"belayer": "belayer", "paused": "belayer paused capture (before)", "prestaged": "belayer (pre-staged)",
+LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused capture (before)", "prestaged": "belayer (pre-staged)",
           "standby": "belayer (standby)",
           "fork": "belayer fork x N (all)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
 STANDBY_WAIT_S = 300.0
