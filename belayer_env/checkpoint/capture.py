@@ -306,8 +306,10 @@ def _frozen_incremental(sandbox: Sandbox, info: dict[str, Any], scratch: Path, d
         return time.monotonic() - t, {}
     t = time.monotonic()
     try:
+        control = freezer.control_file(cid)
+        thaw_with = (control, "THAWED" if control.name == "freezer.state" else "0") if control and not paused else None
         runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network,
-                     abort=abort, hooks=hooks)
+                     abort=abort, hooks=hooks, orphan_thaw=thaw_with)
     finally:
         if paused:  # CRIU found it frozen and left it so
             if not freezer.is_frozen(cid):

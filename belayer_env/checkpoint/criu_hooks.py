@@ -27,10 +27,16 @@ from typing import Protocol
 
 STATS_FILE = "stats-dump"
 _SCRIPT = """#!/bin/bash
+orphaned() {{  # the checkpointer died: once CRIU (our parent) is gone, thaw what it froze
+  kill -0 {pid} 2>/dev/null && return 1
+  [ -n {freezer} ] && ( while kill -0 $PPID 2>/dev/null; do sleep 0.01; done
+                         echo {thawed} > {freezer} ) </dev/null >/dev/null 2>&1 &
+  return 0
+}}
 answer() {{
   for ((i = 0; i < {polls}; i++)); do
     if read -r -t 0.05 reply <&3; then [ "$reply" = ok ]; exit; fi
-    kill -0 {pid} 2>/dev/null || exit 1  # the checkpointer died: fail, CRIU resumes the tasks
+    orphaned && exit 1  # fail: CRIU resumes the tasks
   done
   exit 1
 }}
@@ -39,7 +45,7 @@ case "$CRTOOLS_SCRIPT_ACTION" in
 pre-dump) echo freeze >&4; answer ;;
 network-lock) echo frozen >&4 ;;
 post-dump) echo dumped >&4; answer ;;
-network-unlock) echo resuming >&4 ;;
+network-unlock) echo resuming >&4; orphaned; exit 0 ;;
 esac
 """
 
@@ -64,9 +70,11 @@ class FreezeHooks(Protocol):
 class HookRelay:
     """The action script + FIFOs + relay thread of one dump; ``times`` holds monotonic
     stamps of the events seen (``freeze``, ``frozen``, ``dumped``, ``answered``,
-    ``resuming``)."""
+    ``resuming``). ``orphan_thaw``: (freezer control file, thawed value) the script writes
+    once CRIU has exited when it finds the checkpointer dead (it froze the cgroup for CRIU:
+    nobody else would thaw it, and Docker does not know it is frozen)."""
 
-    def __init__(self, work: Path, hooks: FreezeHooks, timeout_s: float):
+    def __init__(self, work: Path, hooks: FreezeHooks, timeout_s: float, orphan_thaw: tuple[Path, str] | None = None):
         self.hooks = hooks
         self.error: BaseException | None = None
         self.times: dict[str, float] = {}
@@ -74,7 +82,9 @@ class HookRelay:
         os.mkfifo(events, 0o600)
         os.mkfifo(answer, 0o600)
         self.script = work / "criu-hook.sh"
-        self.script.write_text(_SCRIPT.format(events=shlex.quote(str(events)), answer=shlex.quote(str(answer)), polls=max(1, int(timeout_s / 0.05)), pid=os.getpid()))
+        self.script.write_text(_SCRIPT.format(events=shlex.quote(str(events)), answer=shlex.quote(str(answer)), polls=max(1, int(timeout_s / 0.05)), pid=os.getpid(),
+            freezer=shlex.quote(str(orphan_thaw[0])) if orphan_thaw else "''",
+            thawed=shlex.quote(orphan_thaw[1]) if orphan_thaw else "''"))
         self.script.chmod(0o700)
         self._events = os.open(events, os.O_RDWR)
         self._answer = os.open(answer, os.O_RDWR)

@@ -70,7 +70,8 @@ def available(container_id: str | None = None) -> str | None:
 
 def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
          abort: threading.Event | None = None, timeout_s: float | None = None,
-         hooks: FreezeHooks | None = None, boosted: bool = True) -> None:
+         hooks: FreezeHooks | None = None, boosted: bool = True,
+         orphan_thaw: tuple[Path, str] | None = None) -> None:
     """CRIU-dump the (paused) container's process tree into ``images``; it keeps running.
 
     ``isolated`` (no network): nothing outside can talk to the frozen sockets, so CRIU's
@@ -93,13 +94,14 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     ``post-dump``, relayed through two FIFOs in ``work``). What the caller captures
     between the two belongs to the same frozen instant as the images. An exception from
     ``before_resume`` fails the dump (CRIU resumes the processes) and is re-raised.
-    ``boosted``: runc and CRIU run at ``CRIU_NICE``.
+    ``boosted``: runc and CRIU run at ``CRIU_NICE``. ``orphan_thaw``: see ``HookRelay``.
     """
     images.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
     env = dict(os.environ)
     lines = (["network-lock skip"] if isolated else []) + ([CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else [])
-    relay = HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s) if hooks else None
+    relay = (HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s, orphan_thaw)
+             if hooks else None)
     if relay is not None:
         lines.append(f"action-script {relay.script}")
     if lines:

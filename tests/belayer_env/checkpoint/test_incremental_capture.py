@@ -3,13 +3,19 @@ with real CRIU: every checkpoint restores to the frozen instant's tree and memor
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 
+import pytest
+
+from belayer_env import freezer
 from belayer_env.checkpoint import full_checkpoint, full_restore
 from belayer_env.checkpoint.incremental import RACY_NS
 from belayer_env.checkpoint.manifest import read_manifest
 from belayer_env.treehash import tree_hash
-from tests.belayer_env.conftest_checkpoint import http_get, start_server
+from tests.belayer_env.conftest_checkpoint import http_get, init_pid, start_server, tracer_of
 from tests.conftest import wait_until
 
 EXCLUDE = ("/proc", "/sys", "/dev", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/tmp")
@@ -178,3 +184,34 @@ def test_writes_through_a_shared_mapping_are_captured(make_sandbox, ck_store, do
     assert _meta(second)["layer_base"] == "mirror"
     restored = full_restore(second, client=docker_client)
     assert restored.execute("head -c 5 /work/m.bin")["output"] == "two.."
+
+
+KILL_AT = """
+import os, signal, sys
+from belayer_env.checkpoint import CheckpointStore, full_checkpoint
+from belayer_env.config import SandboxConfig
+from belayer_env.sandbox import DockerSandbox
+cid, name, store, phase = sys.argv[1:5]
+sb = DockerSandbox.attach(cid, SandboxConfig(), name)
+def hook(p):
+    if p == phase:
+        os.kill(os.getpid(), signal.SIGKILL)
+full_checkpoint(sb, CheckpointStore(store), 2, phase_hook=hook)
+"""
+
+
+@pytest.mark.parametrize("phase", ["frozen", "layer_captured"])
+def test_checkpointer_killed_while_frozen_leaves_the_sandbox_running(phase, make_sandbox, ck_store):
+    """The cgroup is frozen by the checkpointer, not by Docker: when the checkpointer dies
+    inside the freeze, the action script fails the dump and, once CRIU is gone, thaws it
+    (Docker would not know it is frozen): the sandbox runs on, nothing is published."""
+    sb = make_sandbox()
+    first = full_checkpoint(sb, ck_store, 1)
+    p = subprocess.run([sys.executable, "-c", KILL_AT, sb.container_id, sb.name, str(ck_store.path), phase],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    # CRIU goes on alone: it fails the dump, re-freezes the cgroup it found frozen, detaches
+    wait_until(lambda: tracer_of(init_pid(sb)) == 0, 60, "CRIU to let the sandbox's processes go")
+    wait_until(lambda: not freezer.is_frozen(sb.container_id), 30, "the orphaned freeze thawed")
+    assert sb.execute("echo alive")["output"] == "alive\n"
+    assert [c.id for c in ck_store.list()] == [first.id]
