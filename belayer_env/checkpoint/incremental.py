@@ -140,8 +140,8 @@ class Delta:
         try:
             self.scan_ns = time.time_ns()
             self.scan = scan(self.upper)
-            writable = shared_writable(self.procs) if self.procs is not None else set()
-            self.mapped = {p for p, line in self.scan.items() if int(line.split()[1]) in writable}
+            inodes, paths = shared_writable(self.procs) if self.procs is not None else (set(), set())
+            self.mapped = {p for p, line in self.scan.items() if p in paths or int(line.split()[1]) in inodes}
             self.changed = [p for p, line in self.scan.items()
                             if p in self.mapped or not self.base.unchanged(p, line)]
             if self.changed:
@@ -174,31 +174,35 @@ class Delta:
                 for p, line in self.scan.items()}
 
 
-def shared_writable(procs: Path) -> set[int]:
-    """Inode numbers of every file of the container's root file system mapped shared and
-    writable by a process listed in ``procs`` (a cgroup's ``cgroup.procs``). Writes through
-    such a mapping change the file without changing its ctime (only a write fault does, and
-    a writable page faults once), so these files are copied now and at the next capture.
-    /proc/PID/maps names the overlay's device and, for a file of the upper layer (a file
-    mapped writable always is one: opening it for writing copied it up), the upper inode."""
-    out: set[int] = set()
+def shared_writable(procs: Path) -> tuple[set[int], set[str]]:
+    """Inode numbers and paths (relative to the container's root) of every file of the
+    container's root file system mapped shared and writable by a process listed in
+    ``procs`` (a cgroup's ``cgroup.procs``). Writes through such a mapping change the file
+    without changing its ctime (only a write fault does, and a writable page faults once),
+    so these files are copied now and at the next capture. /proc/PID/maps names the
+    overlay's device, the inode (the upper one here, overlay without xino) and the path as
+    the process sees it; an entry of the upperdir matching either is taken."""
+    inodes: set[int] = set()
+    paths: set[str] = set()
     try:
         pids = procs.read_text().split()
     except OSError:
-        return out
+        return inodes, paths
     for pid in pids:
         try:
             root = os.stat(f"/proc/{pid}/root").st_dev
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    fields = line.split(maxsplit=5)
+                    fields = line.rstrip("\n").split(maxsplit=5)
                     if len(fields) >= 5 and fields[1][1] == "w" and fields[1][3] == "s" and fields[4] != "0":
                         major, minor = fields[3].split(":")
                         if os.makedev(int(major, 16), int(minor, 16)) == root:
-                            out.add(int(fields[4]))
+                            inodes.add(int(fields[4]))
+                            if len(fields) == 6 and fields[5].startswith("/"):
+                                paths.add(fields[5].removesuffix(" (deleted)").lstrip("/"))
         except (OSError, ValueError, IndexError):
             continue
-    return out
+    return inodes, paths
 
 
 def _criu_temp(path: str) -> bool:
