@@ -56,7 +56,8 @@ def thaw(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
                         gone=True, wait_s=wait_s)
 
 
-def _write_until(container_id: str, values: tuple[str, str], reached, gone: bool, wait_s: float) -> bool:
+def _write_until(container_id: str, values: tuple[str, str], reached, gone: bool, wait_s: float,
+                 poll_s: float = 0.02) -> bool:
     """Write the freezer's control file (v1 value, v2 value) until ``reached(path)``; ``gone``
     is the answer when the cgroup disappears meanwhile (no such cgroup here: True)."""
     path = control_file(container_id)
@@ -75,7 +76,7 @@ def _write_until(container_id: str, values: tuple[str, str], reached, gone: bool
             return True
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.02)
+        time.sleep(poll_s)
 
 
 def _fully_frozen(path: Path) -> bool:
@@ -88,7 +89,7 @@ def _fully_frozen(path: Path) -> bool:
         return False
 
 
-def freeze(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
+def freeze(container_id: str, wait_s: float = THAW_WAIT_S, poll_s: float = 0.02) -> bool:
     """Freeze the container's cgroup; True once it is frozen (or there is no such cgroup here),
-    False if it is gone or does not freeze within ``wait_s``."""
-    return _write_until(container_id, ("FROZEN", "1"), _fully_frozen, gone=False, wait_s=wait_s)
+    False if it is gone or does not freeze within ``wait_s`` (checked every ``poll_s``)."""
+    return _write_until(container_id, ("FROZEN", "1"), _fully_frozen, gone=False, wait_s=wait_s, poll_s=poll_s)

@@ -200,6 +200,10 @@ class DockerSandbox:
     """Checkpoint id this container was restored from (set by ``full_restore``)."""
     degraded: bool = False
     """True only after an explicitly allowed file-system-only restore."""
+    layer_installed_ns: int | None = None
+    """Wall clock (ns) once ``full_restore`` had the whole layer in place and no process of
+    the container had run yet: entries with an older ctime are still the checkpoint's (what
+    an incremental capture of the restored sandbox skips)."""
 
     def __init__(self, config: SandboxConfig | None = None, *, name: str | None = None,
                  client: docker.DockerClient | None = None, **overrides: Any):

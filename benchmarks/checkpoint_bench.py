@@ -4,8 +4,13 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
 50 MiB heap (random bytes, so every page is real) plus a git repo of ~2,000 files with
 ~20 MiB of changes in the writable layer. Methods, interleaved in every round:
 
-- ``belayer``: ``full_checkpoint`` (pause -> runc/CRIU dump to tmpfs -> tar upperdir ->
-  unpause -> hash + write + publish) and ``full_restore`` (fresh container, layer, CRIU).
+- ``belayer``: ``full_checkpoint`` with the default ``incremental`` capture (CRIU starts up
+  while the sandbox runs, the cgroup is frozen right before CRIU seizes it, only the layer
+  entries changed since the previous capture, or since the restore, are copied while frozen;
+  the full layer is rebuilt after thaw) and ``full_restore`` (fresh container, layer, CRIU).
+- ``paused``: ``full_checkpoint(capture="paused")`` of the same boundary, just before (order
+  alternating by round): what Belayer did before (Docker pause -> runc/CRIU dump + tar of
+  the whole upperdir -> unpause). Frozen time side by side with ``belayer``.
 - ``belayer (pre-staged)``: the same checkpoint, ``prestage``d first (unpack + verify on
   Docker's disk, what ``start_checkpoint`` does after publish, off the critical path:
   reported as ``prestage_s``), then ``full_restore`` installs it with renames. Both use
@@ -29,6 +34,9 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
 The machine may be shared: the load average is recorded at the start and after every run
 (``host.loadavg``); under load compare the methods side by side (same run, interleaved),
 not with figures from another machine.
+
+Each round starts with an agent-like step (a few small files written) so there is something to
+capture. ``--capture-only``: only the two captures and the restore, per round (short runs).
 
 Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root). It runs again and
 again on one machine: every name it creates (containers, Docker checkpoints, images) carries a
@@ -57,6 +65,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore, prestage  # noqa: E402
+from belayer_env.checkpoint.manifest import read_manifest  # noqa: E402
 from belayer_env.checkpoint.standby import Standby  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
@@ -80,9 +89,12 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "prestaged", "prestaged_copied", "standby", "fork", "docker", "cold")
-LABELS = {"belayer": "belayer", "prestaged": "belayer (pre-staged)",
-          "prestaged_copied": "belayer (pre-staged, copied)", "standby": "belayer (standby)",
+METHODS = ("belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "docker", "cold")
+STEP = "mkdir -p /work/steps && for i in 1 2 3 4 5; do echo {i} >> /work/steps/log$i; done && echo {i} > /work/steps/last"
+"""An agent-like step before every capture: a few small files appended to or rewritten."""
+LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused capture (before)",
+          "prestaged": "belayer (pre-staged)", "prestaged_copied": "belayer (pre-staged, copied)",
+          "standby": "belayer (standby)",
           "fork": "belayer fork x N (all)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
 STANDBY_WAIT_S = 300.0
 
@@ -165,6 +177,53 @@ def fork_all(client, ck, n: int) -> float:
     return elapsed
 
 
+def capture_pair(sb: DockerSandbox, store: CheckpointStore, i: int, out: dict) -> object:
+    """The paused and the incremental capture of one boundary, in alternating order; the
+    incremental checkpoint is returned (what the rest of the round restores)."""
+    sb.execute(STEP.format(i=i))
+    order = ("paused", "belayer") if i % 2 == 0 else ("belayer", "paused")
+    ck = None
+    for method in order:
+        taken = full_checkpoint(sb, store, capture="paused" if method == "paused" else "incremental")
+        for k in ("frozen_s", "total_s", "size_bytes"):
+            out[method][k].append(getattr(taken, k))
+        if method == "belayer":
+            ck = taken
+            detail = read_manifest(taken.path).get("frozen_detail") or {}
+            for k in ("before_freeze_s", "criu_frozen_s", "criu_memdump_s"):
+                out["belayer_detail"].setdefault(k, []).append(detail.get(k, 0.0))
+            out["belayer_detail"].setdefault("layer_entries_copied", []).append(
+                read_manifest(taken.path).get("layer_entries_copied", 0))
+    return ck
+
+
+def run_capture_only(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, loads: list) -> dict:
+    sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
+    if scenario == "heavy":
+        r = sb.execute(HEAVY_SETUP)
+        assert r["returncode"] == 0, r["output"][-2000:]
+    out = {m: {k: [] for k in ("frozen_s", "total_s", "size_bytes")} for m in ("belayer", "paused")}
+    out["belayer"]["restore_s"] = []
+    out["belayer_detail"] = {}
+    try:
+        full_checkpoint(sb, store)  # the sandbox's first capture (everything copied): not measured
+        for i in range(runs):
+            ck = capture_pair(sb, store, i, out)
+            if i % 2 == 1:  # every other round goes on from a restore (its next capture compares with it)
+                t0 = time.monotonic()
+                sb = full_restore(ck, client=client)
+                out["belayer"]["restore_s"].append(time.monotonic() - t0)
+            loads.append(os.getloadavg())
+            print(f"  {scenario} run {i + 1}/{runs}: frozen incremental {out['belayer']['frozen_s'][-1] * 1e3:.0f} ms "
+                  f"({out['belayer_detail']['layer_entries_copied'][-1]} entries copied), paused "
+                  f"{out['paused']['frozen_s'][-1] * 1e3:.0f} ms; total {out['belayer']['total_s'][-1] * 1e3:.0f} / "
+                  f"{out['paused']['total_s'][-1] * 1e3:.0f} ms, load {loads[-1][0]:.1f}", flush=True)
+    finally:
+        for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
+            fence(client, c["Names"][0].lstrip("/"), background=False)
+    return out
+
+
 def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, fork_n: int,
                  loads: list) -> dict:
     sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
@@ -172,6 +231,8 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
         r = sb.execute(HEAVY_SETUP)
         assert r["returncode"] == 0, r["output"][-2000:]
     out = {m: {k: [] for k in ("frozen_s", "total_s", "restore_s", "size_bytes")} for m in ("belayer", "docker")}
+    out["paused"] = {k: [] for k in ("frozen_s", "total_s", "size_bytes")}
+    out["belayer_detail"] = {}
     out["prestaged"] = {k: [] for k in ("frozen_s", "total_s", "prestage_s", "restore_s", "size_bytes")}
     out["prestaged_copied"] = {"prestage_s": [], "restore_s": []}
     out["cold"] = {"restore_s": []}
@@ -180,9 +241,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     images: list[str] = []
     try:
         for i in range(runs):
-            ck = full_checkpoint(sb, store, i)
-            for k in ("frozen_s", "total_s", "size_bytes"):
-                out["belayer"][k].append(getattr(ck, k))
+            ck = capture_pair(sb, store, i, out)
             dk_name = f"{run_id}-{scenario}-{i}"
             dk = docker_checkpoint(client, sb, dk_name)
             images.append(dk["image"])
@@ -257,9 +316,10 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(result["scenarios"]), figsize=(13, 4.5), squeeze=False)
     axes = axes[0]
     for ax, (scen, data) in zip(axes, result["scenarios"].items(), strict=False):
+        methods = [m for m in METHODS if m in data]
         x = range(len(metrics))
-        w = 0.8 / len(METHODS)
-        for j, method in enumerate(METHODS):
+        w = 0.8 / len(methods)
+        for j, method in enumerate(methods):
             vals = [data[method].get(m, {}).get("p50", 0) * 1e3 for m in metrics]
             p90 = [data[method].get(m, {}).get("p90", 0) * 1e3 for m in metrics]
             ax.bar([k + j * w for k in x], vals, width=w, label=LABELS[method],
@@ -268,7 +328,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(f"{scen} (bar p50, whisker p90, ms, log)")
         ax.set_yscale("log")
         ax.set_ylabel("ms")
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -278,8 +338,14 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--scenarios", default="idle,heavy")
     ap.add_argument("--fork-n", type=int, default=8, help="sandboxes per fork (0: no fork measurement)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint_bench.json"))
+    ap.add_argument("--capture-only", action="store_true",
+                    help="only the paused vs incremental captures (and a restore every other round)")
+    ap.add_argument("--out", default=None, help="default: results/checkpoint_bench.json "
+                    "(results/checkpoint_bench_capture.json with --capture-only)")
     args = ap.parse_args()
+    if args.out is None:
+        name = "checkpoint_bench_capture.json" if args.capture_only else "checkpoint_bench.json"
+        args.out = str(Path(__file__).parent / "results" / name)
     client = connect()
     run_id = uuid.uuid4().hex[:8]
     store_dir = Path(tempfile.mkdtemp(prefix="belayer-bench-", dir="/var/tmp"))
@@ -293,7 +359,10 @@ def main() -> int:
                       "after every run); figures under load are meaningful side by side, as ratios"}
     try:
         for scen in args.scenarios.split(","):
-            raw = run_scenario(client, scen, args.runs, store, run_id, args.fork_n, result["host"]["loadavg"])
+            if args.capture_only:
+                raw = run_capture_only(client, scen, args.runs, store, run_id, result["host"]["loadavg"])
+            else:
+                raw = run_scenario(client, scen, args.runs, store, run_id, args.fork_n, result["host"]["loadavg"])
             result["scenarios"][scen] = {m: {k: summarize(v) for k, v in d.items() if v} for m, d in raw.items()}
             result["scenarios"][scen]["raw"] = raw
     finally:
@@ -305,11 +374,16 @@ def main() -> int:
     plot(result, out.with_suffix(".png"))
     for scen, data in result["scenarios"].items():
         print(f"\n{scen}:")
-        for m in METHODS:
+        for m in [m for m in METHODS if m in data]:
             cells = "  ".join(f"{k} p50 {v['p50'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
                               f"{'ms' if k != 'size_bytes' else 'MB'} p90 {v['p90'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
                               for k, v in data.get(m, {}).items())
-            print(f"  {LABELS[m]:29} {cells}")
+            print(f"  {LABELS[m]:31} {cells}")
+        detail = data.get("belayer_detail", {})
+        if detail:
+            print("  incremental detail (p50): " + ", ".join(
+                f"{k} {v['p50'] * (1e3 if k.endswith('_s') else 1):.1f}{'ms' if k.endswith('_s') else ''}"
+                for k, v in detail.items()))
     print(f"\nwrote {out}")
     return 0
 

@@ -118,6 +118,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             hook(Phase.CREATED)
             if fs is not None:
                 fs.move_to(_upper(client, cid))
+            layer_ns = time.time_ns()  # the whole layer is in place (moved or mounted), nothing of the container ran yet
             hook(Phase.LAYER_INSTALLED)
             if runtime_images is not None:
                 images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
@@ -145,6 +146,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                 degraded = True
                 cid = _create(client, ck, data, target, target)
                 layer.install(Path(ck.path) / "layer.tar", _upper(client, cid), data["files"]["layer.tar"])
+                layer_ns = time.time_ns()
         if degraded:
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
                 client.api.start(cid)
@@ -170,6 +172,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
     sandbox = DockerSandbox.attach(cid, ck.config, target, client)
     sandbox.restored_from = ck.id
+    sandbox.layer_installed_ns = layer_ns
     sandbox.degraded = degraded
     return sandbox
 

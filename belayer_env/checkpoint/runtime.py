@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer.procfs import session_members
+from belayer_env.checkpoint.criu_hooks import FreezeHooks, HookRelay
 from belayer_env.checkpoint.manifest import check_file, copy_hashed
 
 RUNC_ROOT = os.environ.get("BELAYER_RUNC_ROOT", "/run/docker/runtime-runc/moby")
@@ -37,7 +38,19 @@ CRIU_EXTRA_CONFIG = os.environ.get("BELAYER_CRIU_EXTRA_CONFIG", "")
 """Test-only seam, empty by default: extra lines for the CRIU config file of every dump. The
 fault tests put an ``action-script`` here that holds CRIU stopped mid-dump (see
 tests/belayer_env/conftest_checkpoint.py, ``CriuHold``)."""
+CRIU_NICE = int(os.environ.get("BELAYER_CRIU_NICE", "-10"))
+"""Nice value of the autogroup (the session) of runc, CRIU and the helpers CRIU spawns (tar,
+ip, ...), and of the layer copy while frozen: on a busy host the frozen window is mostly
+waiting for a CPU. Sessions are scheduled as groups (``sched_autogroup``), so the session's
+nice is what counts, not a process's own. 0: unchanged."""
 _POLL_S = 0.02
+
+
+def boost(pid: int) -> None:
+    """Give the session of ``pid`` (its own: ``start_new_session``) the ``CRIU_NICE`` nice."""
+    if CRIU_NICE:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(CRIU_NICE))
 
 
 class CriuError(Exception):
@@ -56,7 +69,9 @@ def available(container_id: str | None = None) -> str | None:
 
 
 def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
-         abort: threading.Event | None = None, timeout_s: float | None = None) -> None:
+         abort: threading.Event | None = None, timeout_s: float | None = None,
+         hooks: FreezeHooks | None = None, boosted: bool = True,
+         orphan_thaw: tuple[Path, str] | None = None) -> None:
     """CRIU-dump the (paused) container's process tree into ``images``; it keeps running.
 
     ``isolated`` (no network): nothing outside can talk to the frozen sockets, so CRIU's
@@ -71,11 +86,24 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     for the init), and the container can then be neither removed nor restored. Killing
     CRIU may leave the container's processes half-dumped: abort only a sandbox that is
     about to be fenced anyway.
+
+    ``hooks``: CRIU freezes the container itself (its start-up, kernel probing and runc's
+    own work then run before the freeze, not inside it) and calls ``hooks.frozen()``
+    once the processes are stopped and ``hooks.before_resume()`` after the images are
+    written, with the processes still stopped (CRIU action scripts ``network-lock`` and
+    ``post-dump``, relayed through two FIFOs in ``work``). What the caller captures
+    between the two belongs to the same frozen instant as the images. An exception from
+    ``before_resume`` fails the dump (CRIU resumes the processes) and is re-raised.
+    ``boosted``: runc and CRIU run at ``CRIU_NICE``. ``orphan_thaw``: see ``HookRelay``.
     """
     images.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
     env = dict(os.environ)
     lines = (["network-lock skip"] if isolated else []) + ([CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else [])
+    relay = (HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s, orphan_thaw)
+             if hooks else None)
+    if relay is not None:
+        lines.append(f"action-script {relay.script}")
     if lines:
         conf = work / "criu.conf"
         conf.write_text("\n".join(lines) + "\n")
@@ -83,9 +111,26 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     argv = [RUNC, "--root", RUNC_ROOT, "checkpoint", *CRIU_OPTS,
             "--image-path", str(images), "--work-path", str(work), container_id]
     timeout_s = DUMP_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        _run_dump(argv, env, work, abort, timeout_s, boosted)
+    except CriuError:
+        if relay is not None and relay.error is not None:
+            raise relay.error from None  # what the caller's hook said (e.g. a layer too large)
+        raise
+    finally:
+        if relay is not None:
+            relay.close()
+    if relay is not None:
+        relay.check()
+
+
+def _run_dump(argv: list[str], env: dict[str, str], work: Path, abort: threading.Event | None,
+              timeout_s: float, boosted: bool) -> None:
     with open(work / "runc.err", "w+") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                 env=env, start_new_session=True)
+        if boosted:
+            boost(proc.pid)
         deadline = time.monotonic() + timeout_s
         stop = None
         while stop is None:

@@ -1,7 +1,9 @@
 """``CheckpointStore``: a 0700 directory of published checkpoints, by sandbox.
 
 Layout: ``<root>/<sandbox>/<id>/`` (manifest.json + artifacts), ``<root>/.staging/`` for
-checkpoints being written, ``<root>/.trash/`` for ones being removed, ``<root>/.locks/``.
+checkpoints being written, ``<root>/.trash/`` for ones being removed, ``<root>/.locks/``,
+``<root>/.mirrors/`` (each sandbox's layer as of its last capture: what an incremental
+capture compares against; a cache, never needed to restore).
 A checkpoint appears under ``<sandbox>/`` only by one ``rename`` of a fully written and
 fsynced staging directory, so a crash at any point leaves either nothing or the whole
 thing. Staging entries carry their writer's (pid, start time); ``clean_incomplete`` removes
@@ -24,7 +26,7 @@ from belayer.procfs import owner_alive as _label_owner_alive
 from belayer_env.checkpoint.manifest import Checkpoint, checkpoint_from_manifest, read_manifest
 from belayer_env.config import parse_size
 
-STAGING, TRASH, LOCKS = ".staging", ".trash", ".locks"
+STAGING, TRASH, LOCKS, MIRRORS = ".staging", ".trash", ".locks", ".mirrors"
 DEFAULT_SCRATCH = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 DEFAULT_MAX_LAYER_BYTES = 2**30
 
@@ -122,6 +124,14 @@ class CheckpointStore:
         fsync_dir(self.path / STAGING)
         return checkpoint_from_manifest(final, read_manifest(final))
 
+    def mirror_dir(self, sandbox: str) -> Path:
+        """This process's mirror of ``sandbox``'s layer (see ``incremental``)."""
+        return self.path / MIRRORS / f"{sandbox}~{owner_tag()}"
+
+    def drop_mirror(self, sandbox: str) -> None:
+        """Forget the mirror of ``sandbox`` (its next capture copies the whole layer)."""
+        shutil.rmtree(self.mirror_dir(sandbox), ignore_errors=True)
+
     @contextlib.contextmanager
     def lock(self, sandbox: str) -> Iterator[None]:
         """One checkpoint of a sandbox at a time (across processes; released on death)."""
@@ -197,7 +207,7 @@ class CheckpointStore:
     def clean_incomplete(self) -> list[str]:
         """Remove staging/scratch left by dead writers and any trash; return what went."""
         removed = []
-        for base in (self.path / STAGING, self.scratch_root):
+        for base in (self.path / STAGING, self.scratch_root, self.path / MIRRORS):
             for d in _entries(base):
                 if not owner_alive(d.name):
                     shutil.rmtree(d, ignore_errors=True)
