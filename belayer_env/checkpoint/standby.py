@@ -150,6 +150,8 @@ class Standby:
             raise
         fence.remove_in_background(self.client, fenced)
         promoted.restored_from = checkpoint.id
+        # its processes ran only after this stamp: the next capture can be incremental
+        promoted.layer_installed_ns = sandbox.layer_installed_ns
         return promoted
 
     def discard(self, *, background: bool = False) -> None:
