@@ -86,6 +86,29 @@ def prepare_layer_image(root: Path, image: Path, size_bytes: int) -> None:
     with open(image, "wb") as f:
         f.truncate(size_bytes)
     _run(["mkfs.ext4", *MKFS_OPTS, "-d", str(root), str(image)], "mkfs.ext4")
+    _copy_times(root, image)
+
+
+def _copy_times(root: Path, image: Path) -> None:
+    """``mkfs.ext4 -d`` keeps whole seconds of each timestamp only: put the nanoseconds back
+    (mtime and atime of every entry, from ``root``), so the restored tree is the
+    checkpoint's to the nanosecond (build tools compare mtimes). Off the critical path."""
+    mnt = image.with_name(image.name + ".times")
+    mnt.mkdir(mode=0o700)
+    try:
+        _run(["mount", "-o", "loop", str(image), str(mnt)], "mount")
+        try:
+            for dirpath, dirnames, filenames in os.walk(root):
+                rel = Path(dirpath).relative_to(root)
+                for name in [*filenames, *dirnames]:
+                    st = os.lstat(os.path.join(dirpath, name))
+                    os.utime(mnt / rel / name, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+            st = os.lstat(root)
+            os.utime(mnt, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            _run(["umount", str(mnt)], "umount")
+    finally:
+        mnt.rmdir()
 
 
 def mount_layer_image(inspect: dict[str, Any], image: Path) -> None:
