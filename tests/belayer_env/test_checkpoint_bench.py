@@ -33,8 +33,9 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         result = json.loads(out.read_text())
         run_id = result["host"]["run_id"]
         idle = result["scenarios"]["idle"]
-        assert {m for m in idle if m != "raw"} == {"belayer", "prestaged", "prestaged_copied", "standby", "fork",
-                                                     "docker", "cold"}
+        assert {m for m in idle if m not in ("raw", "belayer_detail")} == {
+            "belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "docker", "cold"}
+        assert idle["belayer_detail"], "the incremental capture's breakdown is reported"
         assert idle["fork"]["restore_s"]["n"] == 1 and idle["standby"]["restore_s"]["n"] == 1
         assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})
         assert not docker_client.api.images(name=f"belayer-bench:{run_id}-*")
