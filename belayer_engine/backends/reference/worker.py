@@ -285,6 +285,9 @@ class WorkerApp:
                                   "arena_ok": rt.arena_ok})
 
 
+DRAIN_S = 5.0
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = FLAGS.build(args)
     owner.watch_owner(lambda: os._exit(1), death_signal=signal.SIGKILL)  # never outlive the engine
@@ -298,7 +301,10 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
     # handler_cancellation: a client gone away aborts its request, streamed or not.
-    runner = web.AppRunner(worker.app, access_log=None, handler_cancellation=True)
+    # shutdown_timeout: on SIGINT running requests drain for at most this long (aiohttp's
+    # default is 60 s); what is still running then is cut, and the router continues it on
+    # the shadow token by token, so a clean exit never holds a slot for a minute.
+    runner = web.AppRunner(worker.app, access_log=None, handler_cancellation=True, shutdown_timeout=DRAIN_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
