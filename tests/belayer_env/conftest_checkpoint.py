@@ -207,3 +207,19 @@ def criu_hold(tmp_path, monkeypatch):
         return hold
 
     return arm
+
+
+# A checkpointer process SIGKILLed at a capture phase: argv = container id, sandbox name,
+# store path, phase.
+KILL_AT = """
+import os, signal, sys
+from belayer_env.checkpoint import CheckpointStore, full_checkpoint
+from belayer_env.config import SandboxConfig
+from belayer_env.sandbox import DockerSandbox
+cid, name, store, phase = sys.argv[1:5]
+sb = DockerSandbox.attach(cid, SandboxConfig(), name)
+def hook(p):
+    if p == phase:
+        os.kill(os.getpid(), signal.SIGKILL)
+full_checkpoint(sb, CheckpointStore(store), 2, phase_hook=hook)
+"""

@@ -20,6 +20,7 @@ from belayer.errors import CheckpointFailed
 from belayer_env.checkpoint import CheckpointStore, full_checkpoint, full_restore, runtime
 from tests.belayer_env.conftest_checkpoint import (
     HOLD_ACTIONS,
+    KILL_AT,
     CriuHold,
     init_pid,
     log_state,
@@ -31,18 +32,6 @@ HUNG_TIMEOUT_S = 10.0
 """Dump timeout of the hung-dump test: it must outlast runc + CRIU reaching the hold even
 under heavy load (measured 0.4 s from the checkpoint call to the hold at load 18 on 2 cores)."""
 
-KILL_AT = """
-import os, signal, sys
-from belayer_env.checkpoint import CheckpointStore, full_checkpoint
-from belayer_env.config import SandboxConfig
-from belayer_env.sandbox import DockerSandbox
-cid, name, store, phase = sys.argv[1:5]
-sb = DockerSandbox.attach(cid, SandboxConfig(), name)
-def hook(p):
-    if p == phase:
-        os.kill(os.getpid(), signal.SIGKILL)
-full_checkpoint(sb, CheckpointStore(store), 2, phase_hook=hook)
-"""
 
 
 def _restores_first(ck, docker_client, expect: str) -> None:

@@ -15,7 +15,13 @@ from belayer_env.checkpoint import full_checkpoint, full_restore
 from belayer_env.checkpoint.incremental import RACY_NS
 from belayer_env.checkpoint.manifest import read_manifest
 from belayer_env.treehash import tree_hash
-from tests.belayer_env.conftest_checkpoint import http_get, init_pid, start_server, tracer_of
+from tests.belayer_env.conftest_checkpoint import (
+    KILL_AT,
+    http_get,
+    init_pid,
+    start_server,
+    tracer_of,
+)
 from tests.conftest import wait_until
 
 EXCLUDE = ("/proc", "/sys", "/dev", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/tmp")
@@ -186,18 +192,6 @@ def test_writes_through_a_shared_mapping_are_captured(make_sandbox, ck_store, do
     assert restored.execute("head -c 5 /work/m.bin")["output"] == "two.."
 
 
-KILL_AT = """
-import os, signal, sys
-from belayer_env.checkpoint import CheckpointStore, full_checkpoint
-from belayer_env.config import SandboxConfig
-from belayer_env.sandbox import DockerSandbox
-cid, name, store, phase = sys.argv[1:5]
-sb = DockerSandbox.attach(cid, SandboxConfig(), name)
-def hook(p):
-    if p == phase:
-        os.kill(os.getpid(), signal.SIGKILL)
-full_checkpoint(sb, CheckpointStore(store), 2, phase_hook=hook)
-"""
 
 
 @pytest.mark.parametrize("phase", ["frozen", "layer_captured"])
