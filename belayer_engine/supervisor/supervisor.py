@@ -403,10 +403,8 @@ class Supervisor:
             version = max([self.weights.version, *[await self._arena_version(s) for s in live]]) + 1
             taken: list[str] = []
             for slot in live:
-                try:
+                try:  # bad names/shapes: UsageError from the first arena, before it changed anything
                     await asyncio.to_thread(self._arena_client(slot).update_weights, state_dict, version)
-                except UsageError:  # bad names/shapes: the first arena refuses before changing anything
-                    raise
                 except (ArenaLost, WorkerLost, OSError) as exc:
                     await self._restart_for_weights(slot, f"weight update v{version} failed: {exc}")
                     continue
