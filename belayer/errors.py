@@ -32,6 +32,10 @@ class CheckpointNotFound(UsageError):
     """A checkpoint named by the caller does not exist in the store."""
 
 
+class StaleWeightVersion(UsageError):
+    """A weight update asked for a version that is not newer than the one already served."""
+
+
 # --------------------------------------------------------------------------- infrastructure
 
 
@@ -104,6 +108,7 @@ __all__ = [
     "RequestFailed",
     "RestoreFailed",
     "SandboxLost",
+    "StaleWeightVersion",
     "UsageError",
     "WorkerLost",
 ]

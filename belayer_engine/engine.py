@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 from belayer.errors import UsageError
 from belayer_engine import worker_auth
@@ -17,6 +18,7 @@ from belayer_engine.router import Router, RouterConfig
 from belayer_engine.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor
 from belayer_engine.supervisor.config import SupervisorConfig
+from belayer_engine.weights_endpoint import WeightsEndpoint
 
 
 class RecoverableEngine(LoopEngine):
@@ -30,8 +32,10 @@ class RecoverableEngine(LoopEngine):
         self.router_config = engine_router_config(router or RouterConfig(), self.supervisor_config.model,
                                                   self._worker_secret)
         self.base_url: str = ""
+        self.weights_socket: str = ""  # the weight endpoint of learners in other processes
         self.router: Router | None = None
         self.supervisor: Supervisor | None = None
+        self._weights_endpoint: WeightsEndpoint | None = None
 
     @classmethod
     @contextlib.contextmanager
@@ -67,8 +71,15 @@ class RecoverableEngine(LoopEngine):
         url = await self.router.start()
         self.base_url = url + "/v1"
         await self.supervisor.start()
+        assert self.supervisor.run_dir is not None
+        path = Path(self.supervisor_config.weights_socket or self.supervisor.run_dir / "weights.sock")
+        self._weights_endpoint = WeightsEndpoint(self.supervisor, path)
+        await self._weights_endpoint.start()
+        self.weights_socket = str(path)
 
     async def _stop(self) -> None:
+        if self._weights_endpoint:
+            await self._weights_endpoint.stop()
         if self.router:
             await self.router.stop()
         if self.supervisor:
@@ -92,20 +103,23 @@ class RecoverableEngine(LoopEngine):
 
     def arena_socket(self, slot: int = 0) -> str:
         """The Unix socket of slot ``slot``'s arena. ``ArenaClient(...).update_weights`` there
-        updates that slot alone, and a cold restart of the slot forgets it: the trainer's
-        weight sync is ``update_weights`` (every slot, kept across restarts)."""
+        updates that slot alone, and a cold restart of the slot forgets it: a trainer's
+        weight sync is ``update_weights`` in this process or, from another process,
+        ``weights_client.EngineWeights(engine.weights_socket)`` (every slot, kept across restarts)."""
         assert self.supervisor is not None
         if not 0 <= slot < len(self.supervisor.slots):
             raise UsageError(f"no slot {slot}: this engine has {len(self.supervisor.slots)}")
         return str(self.supervisor.slots[slot].socket)
 
-    def update_weights(self, state_dict, timeout: float | None = None) -> int:
+    def update_weights(self, state_dict, timeout: float | None = None, version: int | None = None) -> int:
         """Push new weights (all or some, by HF name; CPU or CUDA tensors) to every slot under
-        one engine-wide version; returns it once every slot in service serves it. The engine
-        keeps a host copy of the newest value of each updated tensor, so a slot restarted
-        from scratch (its arena lost) serves these weights, never the checkpoint's."""
+        one engine-wide version (``version`` if given: newer than the current one); returns
+        it once every slot in service serves it. The engine keeps a host copy of the newest
+        value of each updated tensor, so a slot restarted from scratch (its arena lost)
+        serves these weights, never the checkpoint's. Another process does the same through
+        ``weights_socket`` (``belayer_engine.weights_client.EngineWeights``)."""
         assert self.supervisor is not None
-        return self.call(self.supervisor.update_weights(state_dict), timeout=timeout)
+        return self.call(self.supervisor.update_weights(state_dict, version=version), timeout=timeout)
 
     def worker_headers(self) -> dict[str, str]:
         """The header that lets this process talk to the engine's workers directly (tests, tools)."""

@@ -56,8 +56,14 @@ def router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the endpoint as JSON once ready")
 
 
-def _announce(args, url: str) -> None:
-    print(json.dumps({"base_url": url + "/v1"}) if args.json else f"serving on {url}/v1 (Ctrl-C to stop)", flush=True)
+def _announce(args, url: str, weights_socket: str | None = None) -> None:
+    """The ready line; an engine also names its weight endpoint (learners in other processes)."""
+    if args.json:
+        extra = {"weights_socket": weights_socket} if weights_socket else {}
+        print(json.dumps({"base_url": url + "/v1", **extra}), flush=True)
+        return
+    weights = f"; weights: {weights_socket}" if weights_socket else ""
+    print(f"serving on {url}/v1{weights} (Ctrl-C to stop)", flush=True)
 
 
 def _on_stop_signal() -> asyncio.Event:
@@ -84,7 +90,7 @@ def run_engine(args) -> int:
     engine = RecoverableEngine(sup_cfg, router_cfg)  # the engine is wired there, once
     try:
         engine.start()
-        _announce(args, engine.base_url.removesuffix("/v1"))
+        _announce(args, engine.base_url.removesuffix("/v1"), weights_socket=engine.weights_socket)
         while not stop.wait(0.5):
             pass
     finally:

@@ -28,6 +28,9 @@ class SupervisorConfig(BaseModel):
     host: str = "127.0.0.1"
     python: str = sys.executable
     run_dir: str | None = Field(default=None, description="logs + sockets; None = a temporary directory")
+    weights_socket: str | None = Field(
+        default=None, description="Unix socket (0600) of the engine's weight endpoint for learners in other "
+                                  "processes; None = RUN_DIR/weights.sock")
     start_timeout_s: float = Field(default=180.0, gt=0)
     fence_timeout_s: float = Field(default=10.0, gt=0)
     unhealthy_window_s: float = Field(default=10.0, ge=0, description="a replacement failing within this = bad device")

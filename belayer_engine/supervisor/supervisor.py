@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from belayer.errors import ArenaLost, DeviceUnhealthy, UsageError, WorkerLost
+from belayer.errors import ArenaLost, DeviceUnhealthy, StaleWeightVersion, UsageError, WorkerLost
 from belayer_engine import worker_auth
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.routing import Endpoint, RoutingTable
@@ -53,12 +53,14 @@ class Supervisor:
         self.events: list[dict] = []
         self.slots: list[Slot] = []
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self.run_dir: Path | None = None  # logs and sockets (set by start)
         self._session: aiohttp.ClientSession | None = None
         self._procs: SlotProcesses | None = None
         self._tasks: set[asyncio.Task] = set()
         self._reaps: set[asyncio.Task] = set()  # background reaps of killed workers (isolated_kv)
         self.weights = RetainedWeights()  # re-applied to a slot whose arena starts from scratch
         self._weights_lock = asyncio.Lock()  # one update at a time; a cold restart waits for it
+        self._layout: tuple[dict[str, list[int]], str] | None = None  # served names/shapes, dtype
         self._changed = asyncio.Condition()
         self._stopping = False
 
@@ -72,6 +74,7 @@ class Supervisor:
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="belayer-engine-")
             run_dir = Path(self._tmp.name)
+        self.run_dir = run_dir
         self._session = aiohttp.ClientSession(headers=worker_auth.headers(self.worker_secret))
         self._procs = SlotProcesses(cfg, make_backend(cfg), run_dir, self._session, self.worker_secret)
         self.table.add_listener(self._on_router_failure)
@@ -384,23 +387,37 @@ class Supervisor:
 
     # ------------------------------------------------------------------ weights
 
-    async def update_weights(self, state_dict: Mapping[str, Any]) -> int:
+    async def update_weights(self, state_dict: Mapping[str, Any], version: int | None = None) -> int:
         """Push new weights (all or some, by HF name) to every slot's arena under one
         engine-wide version and keep them for slots that start from scratch later; returns
         the version once every slot in service serves it.
 
-        A slot whose arena does not take the update is taken out of service and cold
-        restarted (the restart applies everything kept here), so no slot in service ever
-        serves older weights than the version returned. Bad names or shapes: UsageError,
-        and no slot changed.
+        ``version``: publish this number (newer than every slot's) instead of the newest
+        + 1; not newer: ``StaleWeightVersion``. A slot whose arena does not take the update
+        is taken out of service and cold restarted (the restart applies everything kept
+        here), so no slot in service ever serves older weights than the version returned.
+        Bad names or shapes: UsageError, and no slot changed.
         """
         if not isinstance(state_dict, Mapping) or not state_dict:
             raise UsageError("update_weights needs a non-empty mapping: HF weight name -> tensor")
+        if version is not None and (type(version) is not int or version < 1):
+            raise UsageError(f"version must be a positive int, got {version!r}")
         async with self._weights_lock:
             live = [s for s in self.slots if not s.excluded]
             if not live:
                 raise DeviceUnhealthy("update_weights: every slot is excluded")
-            version = max([self.weights.version, *[await self._arena_version(s) for s in live]]) + 1
+            seen = {s.name: await self._arena_version(s) for s in live}
+            for slot in live:
+                if seen[slot.name] > self.weights.version:  # pushed straight to the arena: not kept
+                    log.warning("slot %s: arena serves version %d, newer than the engine's %d: an update went "
+                                "straight to the arena (lost at a cold restart of the slot)",
+                                slot.name, seen[slot.name], self.weights.version)
+                    self._event(slot, "weights_unmanaged", arena_version=seen[slot.name],
+                                engine_version=self.weights.version)
+            current = max([self.weights.version, *seen.values()])
+            if version is not None and version <= current:
+                raise StaleWeightVersion(f"version {version} is not newer than the current {current}")
+            version = current + 1 if version is None else version
             taken: list[str] = []
             for slot in live:
                 try:  # bad names/shapes: UsageError from the first arena, before it changed anything
@@ -415,6 +432,23 @@ class Supervisor:
             if not taken:
                 raise WorkerLost(f"update_weights: no arena took version {version} (slots restart and retry)")
             return version
+
+    async def weight_layout(self) -> tuple[dict[str, list[int]], str]:
+        """HF name -> shape of every served weight, and their dtype (from an arena, once)."""
+        if self._layout is None:
+            errors = []
+            for slot in [s for s in self.slots if not s.excluded]:
+                try:
+                    info = await asyncio.to_thread(self._arena_client(slot).describe)
+                except (ArenaLost, OSError) as exc:
+                    errors.append(f"{slot.name}: {exc}")
+                    continue
+                shapes = {name: list(shape) for name, (_off, shape) in info["layout"].items()}
+                self._layout = (shapes, str(info["model"]["dtype"]))
+                break
+            else:
+                raise ArenaLost(f"no arena answered for the weight layout: {errors or 'every slot is excluded'}")
+        return self._layout
 
     async def _arena_version(self, slot: Slot) -> int:
         try:
