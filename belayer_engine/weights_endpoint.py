@@ -108,7 +108,7 @@ class WeightsEndpoint:
                 await body.readexactly(weights_wire.header_length(await body.readexactly(8))), layout, dtype)
             tensors = {s.name: await _read_tensor(body, s) for s in specs}
         except EOFError:  # asyncio.IncompleteReadError
-            raise UsageError("weights body ended before its header's tensors did") from None
+            raise UsageError("weights body too short: it ended before its header and tensors did") from None
         if await body.read(1):
             raise UsageError("weights body has bytes after its last tensor")
         applied = await self.supervisor.update_weights(tensors, version=version)

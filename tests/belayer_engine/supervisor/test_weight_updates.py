@@ -3,11 +3,9 @@ whose arena is lost comes back with the updated weights, never the checkpoint's.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -17,42 +15,26 @@ from belayer_engine.arena.client import ArenaClient
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights
+from tests.belayer_engine.supervisor.greedy import PROMPTS, answers, direct
 
 pytestmark = pytest.mark.timeout(300)
-
-PROMPTS = ["The rope holds", "Belayer keeps the climber"]
-
-
-def _direct(eng: RecoverableEngine, slot: int, prompt: str) -> tuple[list[int], int]:
-    """Greedy ids and weight version from slot ``slot``'s worker itself (not the router)."""
-    url = eng.status()["slots"][f"w{slot}"]["worker_url"]
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **eng.worker_headers()})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        out = json.loads(resp.read())
-    return list(out["output_ids"]), int(out["meta_info"]["weight_version"])
-
-
-def _answers(eng: RecoverableEngine, slot: int) -> dict[str, list[int]]:
-    return {p: _direct(eng, slot, p)[0] for p in PROMPTS}
 
 
 def test_updates_reach_every_slot_and_survive_an_arena_sigkill():
     w = init_weights(ModelConfig(), 5)
     with RecoverableEngine.launch(workers=2, shadow=True) as eng:
         eng.wait_ready(timeout=120)
-        base = _answers(eng, 0)
-        assert _answers(eng, 1) == base
+        base = answers(eng, 0)
+        assert answers(eng, 1) == base
 
         v1 = eng.update_weights({"model.embed_tokens.weight": w["model.embed_tokens.weight"]})
         v2 = eng.update_weights({"model.norm.weight": w["model.norm.weight"] * 2})  # partial, merged with v1
         assert v2 == v1 + 1
-        updated = _answers(eng, 0)
+        updated = answers(eng, 0)
         assert updated != base, "the updates changed the greedy output"
         for slot in (0, 1):
-            assert _answers(eng, slot) == updated
-            assert _direct(eng, slot, PROMPTS[0])[1] == v2
+            assert answers(eng, slot) == updated
+            assert direct(eng, slot, PROMPTS[0])[1] == v2
             assert ArenaClient(eng.arena_socket(slot)).describe()["version"] == v2
 
         since = time.monotonic()
@@ -60,12 +42,12 @@ def test_updates_reach_every_slot_and_survive_an_arena_sigkill():
         reapplied = eng.wait_event("weights_reapplied", since, timeout=120)
         assert reapplied["version"] == v2 and reapplied["names"] == 2
         eng.wait_ready(timeout=120)
-        assert _answers(eng, 0) == updated, "the restarted slot serves both kept updates, merged"
-        assert _direct(eng, 0, PROMPTS[0])[1] == v2, "and reports the engine-wide version"
+        assert answers(eng, 0) == updated, "the restarted slot serves both kept updates, merged"
+        assert direct(eng, 0, PROMPTS[0])[1] == v2, "and reports the engine-wide version"
 
         with pytest.raises(UsageError, match="unknown weight"):
             eng.update_weights({"nope": torch.zeros(2)})
         with pytest.raises(UsageError, match="non-empty mapping"):
             eng.update_weights({})
-        assert _answers(eng, 1) == updated, "a refused update changed nothing"
+        assert answers(eng, 1) == updated, "a refused update changed nothing"
         assert eng.update_weights({"model.norm.weight": w["model.norm.weight"]}) == v2 + 1
