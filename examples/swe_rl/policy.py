@@ -4,7 +4,8 @@ The reference worker's forward (``belayer_engine.backends.reference.model``) run
 over borrowed arena memory, so the learner keeps its own ``nn.Module`` with the *same*
 parameter names, shapes and numeric primitives (``belayer_engine.backends.reference.ops``: RMSNorm, RoPE)
 and a plain batched, differentiable forward. ``hf_state_dict()`` is exactly what
-``ArenaClient.update_weights`` takes, so the engine serves what the learner trained.
+``EngineWeights.update_weights`` (the engine's weight endpoint) takes, so the engine serves
+what the learner trained.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class PolicyModel(nn.Module):
         return self.params[_key(name)]
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF name -> detached tensor (what the arena's weight update expects)."""
+        """HF name -> detached tensor (what an engine or arena weight update expects)."""
         return {n: self.w(n).detach() for n in self.names}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

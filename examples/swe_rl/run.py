@@ -35,7 +35,7 @@ class Run:
         self.learner_kills: list[dict] = []
         self.learner_exits: list[int] = []
         self._offset = 0
-        self.base_url = self.arena_socket = ""
+        self.base_url = self.weights_socket = ""
 
     def _prepare(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -46,7 +46,7 @@ class Run:
     def _spawn(self) -> BaseProcess:
         """A fresh learner process (spawned: a new interpreter, as after a real crash)."""
         proc = multiprocessing.get_context("spawn").Process(
-            target=learner_process, args=(self.cfg, self.base_url, self.arena_socket), name="learner", daemon=True)
+            target=learner_process, args=(self.cfg, self.base_url, self.weights_socket), name="learner", daemon=True)
         proc.start()
         return proc
 
@@ -74,7 +74,7 @@ class Run:
             engine.wait_ready(stable=True)
             engine_start_s = time.time() - t0
             self.display(f"engine ready in {engine_start_s:.1f}s at {engine.base_url}")
-            self.base_url, self.arena_socket = engine.base_url, engine.arena_socket()
+            self.base_url, self.weights_socket = engine.base_url, engine.weights_socket
             killer = WorkerKiller(engine, cfg.faults, seed=cfg.seed)
             proc = self._spawn()
             try:

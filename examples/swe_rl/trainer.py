@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import torch
 
-from belayer_engine.arena.client import ArenaClient
+from belayer_engine.weights_client import EngineWeights
 
 from . import learner_ckpt
 from .agent import make_env, run_episode
@@ -78,16 +78,18 @@ def warm_start(cfg: RunConfig, learner: Learner, tasks: list[Task], log: EventLo
     log({"event": "sft_done", "loss": round(loss, 4), "seconds": round(time.monotonic() - t0, 1)})
 
 
-def learner_process(cfg: RunConfig, base_url: str, arena_socket: str) -> None:
+def learner_process(cfg: RunConfig, base_url: str, weights_socket: str) -> None:
     """The learner process's entry point; its output goes to ``OUT_DIR/learner.log``."""
     with open(Path(cfg.out_dir) / "learner.log", "a") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    train(cfg, base_url, arena_socket)
+    train(cfg, base_url, weights_socket)
 
 
-def train(cfg: RunConfig, base_url: str, arena_socket: str) -> None:
-    """Train for ``cfg.steps`` steps against the engine at ``base_url`` / ``arena_socket``."""
+def train(cfg: RunConfig, base_url: str, weights_socket: str) -> None:
+    """Train for ``cfg.steps`` steps against the engine at ``base_url``; weights go to every
+    slot through the engine's ``weights_socket`` (kept there, so a slot whose arena is
+    cold-restarted serves them too; a push to one arena would be forgotten)."""
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     log = EventLog(out / "events.jsonl")
@@ -105,8 +107,8 @@ def train(cfg: RunConfig, base_url: str, arena_socket: str) -> None:
         warm_start(cfg, learner, tasks, log)
         saver.save_async(0, learner.snapshot())
         saver.wait()
-    arena = ArenaClient(arena_socket)
-    version = arena.update_weights(learner.model.hf_state_dict())
+    engine = EngineWeights(weights_socket)
+    version = engine.update_weights(learner.model.hf_state_dict())
     log({"event": "weights", "step": learner.step, "version": version})
     client = openai.OpenAI(base_url=base_url, api_key="belayer", max_retries=0, timeout=120)
     for step in range(learner.step + 1, cfg.steps + 1):
@@ -119,7 +121,7 @@ def train(cfg: RunConfig, base_url: str, arena_socket: str) -> None:
         t1 = time.monotonic()
         metrics = learner.grpo_step(groups)
         t2 = time.monotonic()
-        version = arena.update_weights(learner.model.hf_state_dict())
+        version = engine.update_weights(learner.model.hf_state_dict())
         t_push = time.monotonic() - t2
         log({"event": "saving", "step": step})
         saver.save_async(step, learner.snapshot())  # written while the next step rolls out
