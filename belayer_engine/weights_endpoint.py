@@ -15,6 +15,7 @@ slot could take it (infrastructure). Errors are ``{"error": {"type", "message"}}
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -111,7 +112,8 @@ class WeightsEndpoint:
             raise UsageError("weights body too short: it ended before its header and tensors did") from None
         if await body.read(1):
             raise UsageError("weights body has bytes after its last tensor")
-        applied = await self.supervisor.update_weights(tensors, version=version)
+        # shielded: a learner that disconnects now must not cut an update that slots are taking
+        applied = await asyncio.shield(self.supervisor.update_weights(tensors, version=version))
         return web.json_response({"version": applied, "names": len(tensors)})
 
 
