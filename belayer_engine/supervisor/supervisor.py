@@ -43,6 +43,16 @@ log = logging.getLogger(__name__)
 _REARM_DELAY_S = 0.02  # a new shadow is spawned this long after a handover (off the critical path)
 
 
+
+def private_run_dir(path: Path) -> Path:
+    """Create ``path`` 0700 (logs, control and weight sockets live there); refuse an existing
+    one that other users may write to, where a socket could be swapped under the engine."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o022:
+        raise UsageError(f"run_dir {path} is writable by group or others (mode "
+                         f"{path.stat().st_mode & 0o777:o}); use a private directory (chmod 700)")
+    return path
+
 class Supervisor:
     """Owns the processes of every slot; feeds the router's ``RoutingTable``."""
 
@@ -69,8 +79,7 @@ class Supervisor:
     async def start(self) -> None:
         cfg = self.config
         if cfg.run_dir:
-            run_dir = Path(cfg.run_dir)
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run_dir = private_run_dir(Path(cfg.run_dir))
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="belayer-engine-")
             run_dir = Path(self._tmp.name)
