@@ -183,9 +183,7 @@ def create_container(client: docker.DockerClient, config: SandboxConfig, name: s
             raise
     if config.disk_bytes is not None:
         try:
-            with translate_errors(f"inspect sandbox {name}"):
-                info = client.api.inspect_container(container.id)
-            limit_layer(info, config.disk_bytes)
+            limit_layer(container.attrs, config.disk_bytes)  # docker-py inspected it after the create
         except BaseException:
             with contextlib.suppress(Exception):
                 client.api.remove_container(container.id, force=True, v=True)

@@ -290,8 +290,13 @@ def update(mirror: Mirror, upper: Path, delta: Delta, checkpoint_id: str) -> Non
             raise layer.LayerError(f"unpacking the changed entries into {mirror.tree} failed: "
                                    f"{proc.stderr.decode(errors='replace').strip()[-500:]}")
     # removing or recreating an entry touched its directory's mtime in the mirror: put back
-    # the frozen instant's (a directory that itself changed got it from the delta)
-    for d in {os.path.dirname(p) or "." for p in (*gone, *delta.changed) if p != "."} - changed:
+    # the scan's. A changed directory too: tar read its mtime a moment after the scan, and
+    # CRIU, dumping meanwhile, makes and removes a temp dir in /tmp (or /), so the copy may
+    # carry a later mtime than the index records; a restored layer would then differ from
+    # the index its next capture trusts ("entries unchanged since the restore ... differ").
+    # The scan's is the frozen instant's, before CRIU touched it.
+    changed_dirs = {p for p in changed if delta.scan[p].split()[2] == "d"}
+    for d in ({os.path.dirname(p) or "." for p in (*gone, *delta.changed) if p != "."} - changed) | changed_dirs:
         line = delta.scan.get(d)
         if line is not None:
             target = mirror.tree / d

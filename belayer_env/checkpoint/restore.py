@@ -109,29 +109,41 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         for part in (fs, runtime_images):
             if part is not None:
                 part.verified()  # before anything touches the sandbox of that name
-        # the old containers are listed now and die while the new one is created and filled
-        # under a name of its own (labelled as ``target``: found by the fence from then on);
-        # it takes the name, and starts, only once every one of them is dead
-        killing = _Background(fence.kill_listed, client, target, fence.sandbox_containers(client, target, by_name=True))
+        # the old containers are listed and die while the new one is created and filled under
+        # a name of its own (labelled as ``target``: found by the fence from then on, so the
+        # listing, which runs alongside the create, leaves out only that name); it takes the
+        # sandbox's name, and starts, only once every one of them is dead
+        new_name = f"{target}-restoring-{uuid.uuid4().hex[:8]}"
+        killing = _Background(_fence_all_but, client, target, new_name)
+        # the linked images directory is made while Docker creates the container (~30 links
+        # + a nonce, tens of ms under load): then it goes into place with one rename
+        link_dir = tmp / f"{prestaging.PREFIX}{uuid.uuid4().hex[:12]}~{owner_tag()}"
+        linking = (_Background(runtime_images.link_into, link_dir)
+                   if runtime_images is not None and via == "linked" else None)
         try:
-            cid = _create(client, ck, data, f"{target}-restoring-{uuid.uuid4().hex[:8]}", target, layer_image)
+            cid, info = _create(client, ck, data, new_name, target, layer_image)
             hook(Phase.CREATED)
             if fs is not None:
-                fs.move_to(_upper(client, cid))
+                fs.move_to(layer.upper_dir(info))
             layer_ns = time.time_ns()  # the whole layer is in place (moved or mounted), nothing of the container ran yet
             hook(Phase.LAYER_INSTALLED)
             if runtime_images is not None:
                 images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
-                if via == "linked":
-                    runtime_images.link_into(images_dir)
+                if linking is not None:
+                    linking.result()
+                    images_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    os.rename(link_dir, images_dir)
                 else:
                     runtime_images.move_to(images_dir)
-                # Docker uploads the directory to containerd's content store by digest: two
-                # restores of one checkpoint at once (fork) would collide ("already exists")
-                (images_dir / "belayer-nonce").write_text(uuid.uuid4().hex)
+                    _nonce(images_dir)
                 hook(Phase.RUNTIME_VERIFIED)
         finally:
-            fenced = killing.result()
+            try:
+                fenced = killing.result()
+            finally:
+                if linking is not None:
+                    linking.join()
+                    shutil.rmtree(link_dir, ignore_errors=True)  # not renamed into place: a failure
         with translate_errors(f"name restored sandbox {target}"):
             client.api.rename(cid, target)
         if runtime_images is not None:
@@ -144,7 +156,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                     raise RestoreFailed(f"checkpoint {ck.id}: CRIU restore failed: {_short(e)}",
                                         checkpoint=ck.id) from e
                 degraded = True
-                cid = _create(client, ck, data, target, target)
+                cid, _ = _create(client, ck, data, target, target)
                 layer.install(Path(ck.path) / "layer.tar", _upper(client, cid), data["files"]["layer.tar"])
                 layer_ns = time.time_ns()
         if degraded:
@@ -231,11 +243,13 @@ class _Staged:
 
     def link_into(self, dest: Path) -> None:
         """Make ``dest`` a directory of relative symlinks to the verified files, which stay
-        here until ``discard`` (after the restore)."""
+        here until ``discard`` (after the restore), and a nonce. The links are valid from
+        any directory of the same file system (``LINK_UP``): ``dest`` may be renamed."""
         self.verified()
         dest.mkdir(mode=0o700, parents=True)
         for f in self.dir.iterdir():
             os.symlink(LINK_UP + str(f.resolve()).lstrip("/"), dest / f.name)
+        _nonce(dest)
 
     def discard(self) -> None:
         if self._thread is not None:
@@ -244,25 +258,36 @@ class _Staged:
 
 
 
+def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> list[str]:
+    """Kill every container of sandbox ``target`` except this restore's own (``new_name``)."""
+    listed = fence.sandbox_containers(client, target, by_name=True)
+    return fence.kill_listed(client, target, [c for c in listed if f"/{new_name}" not in (c.get("Names") or ())])
+
+
+def _nonce(images_dir: Path) -> None:
+    """Docker uploads the checkpoint directory to containerd's content store by digest: two
+    restores of one checkpoint at once (fork) would collide ("already exists")."""
+    (images_dir / "belayer-nonce").write_text(uuid.uuid4().hex)
+
+
 def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str,
-            layer_image: Path | None = None) -> str:
+            layer_image: Path | None = None) -> tuple[str, dict[str, Any]]:
     """A created (not started) container with the checkpoint's settings and exact image,
-    named ``name`` and labelled as sandbox ``sandbox``; with ``layer_image`` (pre-staged,
-    layer inside) that file system is mounted as its disk-capped layer instead of an
-    empty one."""
+    named ``name`` and labelled as sandbox ``sandbox``, and Docker's inspect of it; with
+    ``layer_image`` (pre-staged, layer inside) that file system is mounted as its
+    disk-capped layer instead of an empty one."""
     update: dict[str, Any] = {"image": data.get("image_id") or ck.config.image}
     if layer_image is not None:
         update["disk"] = None  # the cap is layer_image's own size
-    cid = create_container(client, ck.config.model_copy(update=update), name, labels={SANDBOX_NAME: sandbox}).id
+    container = create_container(client, ck.config.model_copy(update=update), name, labels={SANDBOX_NAME: sandbox})
+    info = container.attrs  # docker-py inspected it right after the create
     if layer_image is not None:
         try:
-            with translate_errors(f"inspect restored sandbox {sandbox}"):
-                info = client.api.inspect_container(cid)
             disk.mount_layer_image(info, layer_image)
         except BaseException:
-            remove_quietly(client, cid)
+            remove_quietly(client, container.id)
             raise
-    return cid
+    return container.id, info
 
 
 class _Background:
@@ -271,7 +296,7 @@ class _Background:
     def __init__(self, fn: Callable[..., Any], *args: Any):
         self._value: Any = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True, name="belayer-restore-fence")
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True, name="belayer-restore-bg")
         self._thread.start()
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -279,6 +304,9 @@ class _Background:
             self._value = fn(*args)
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
 
     def result(self) -> Any:
         self._thread.join()

@@ -209,3 +209,36 @@ def test_checkpointer_killed_while_frozen_leaves_the_sandbox_running(phase, make
     wait_until(lambda: not freezer.is_frozen(sb.container_id), 30, "the orphaned freeze thawed")
     assert sb.execute("echo alive")["output"] == "alive\n"
     assert [c.id for c in ck_store.list()] == [first.id]
+
+
+def test_mirror_keeps_the_scanned_mtime_of_a_directory_criu_touches(tmp_path, monkeypatch):
+    """CRIU makes and removes a temp dir in the container's /tmp while it dumps, after the
+    frozen scan may have read /tmp and before tar copies it: the mirror (and so the
+    checkpoint's layer) must keep the scanned mtime, the one its index records, or the first
+    capture after a restore of that checkpoint finds /tmp "unchanged" yet different (seen
+    once at load ~50: "1 entries unchanged since the restore of ... differ ... 'tmp'")."""
+    from belayer_env.checkpoint import incremental
+
+    upper, scratch = tmp_path / "upper", tmp_path / "scratch"
+    (upper / "tmp").mkdir(parents=True)
+    (upper / "work").mkdir()
+    (upper / "work" / "a").write_text("a")
+    scratch.mkdir()
+    real_copy = incremental.copy_entries
+
+    def criu_touches_tmp(up, paths, *args):
+        (up / "tmp" / ".criu.mntns.X").mkdir()  # after the scan, before the copy
+        (up / "tmp" / ".criu.mntns.X").rmdir()
+        real_copy(up, paths, *args)
+
+    monkeypatch.setattr(incremental, "copy_entries", criu_touches_tmp)
+    delta = incremental.Delta(upper, scratch, incremental.Base("none"), None)
+    delta.start()
+    delta.wait()
+    assert "tmp" in delta.changed
+    mirror = incremental.Mirror(tmp_path / "mirror")
+    incremental.update(mirror, upper, delta, "ck1")
+    index, now = mirror.read()["entries"], incremental.scan(mirror.tree)
+    assert now.keys() == index.keys()
+    for path in index:
+        assert incremental._same_entry(now[path], index[path]), (path, now[path], index[path])
