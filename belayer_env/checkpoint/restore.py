@@ -42,7 +42,7 @@ import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
 from belayer_env import disk, fence
-from belayer_env.checkpoint import layer, prestaging, runtime
+from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect, translate_errors
@@ -63,12 +63,15 @@ directory of its own (depth unknown here), and ``..`` at ``/`` stays at ``/``.""
 
 def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client: docker.DockerClient | None = None,
                  phase_hook: PhaseHook | None = None, name: str | None = None,
-                 use_staged: bool = True, images: Images | None = None) -> DockerSandbox:
+                 use_staged: bool = True, images: Images | None = None,
+                 shared: shared_layer.SharedLower | None = None) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
     ``fork`` and the standby use). ``use_staged=False`` leaves a pre-staged copy for the
     sandbox's own restore. ``images``: how the CRIU images reach CRIU (module docstring).
+    ``shared``: the checkpoint's layer already unpacked as a shared lower layer (``fork``):
+    the container gets it as its top lower layer and an empty upperdir (``shared_layer``).
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -86,7 +89,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     client = client or connect(ck.config.docker_host)
     tmp = prestaging.docker_tmp(client)
     prestaging.clean_dead_staging(tmp)
-    staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged else None
+    staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged and shared is None else None
     layer_image: Path | None = None
     if staged is not None:  # pre-staged and verified against this very manifest
         hook(Phase.STAGED)
@@ -98,8 +101,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         runtime_images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
     else:
         # unpack + verify both artifacts on Docker's disk, side by side; each is then moved
-        # into place with one rename
-        fs = _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
+        # into place with one rename (the layer: not when it is a shared lower layer)
+        fs = None if shared is not None else _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
             Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
         runtime_images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
             Path(ck.path), data["files"], d)) if ck.has_runtime else None
@@ -114,7 +117,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # it takes the name, and starts, only once every one of them is dead
         killing = _Background(fence.kill_listed, client, target, fence.sandbox_containers(client, target, by_name=True))
         try:
-            cid = _create(client, ck, data, f"{target}-restoring-{uuid.uuid4().hex[:8]}", target, layer_image)
+            cid = _create(client, ck, data, f"{target}-restoring-{uuid.uuid4().hex[:8]}", target, layer_image, shared)
             hook(Phase.CREATED)
             if fs is not None:
                 fs.move_to(_upper(client, cid))
@@ -144,8 +147,9 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                     raise RestoreFailed(f"checkpoint {ck.id}: CRIU restore failed: {_short(e)}",
                                         checkpoint=ck.id) from e
                 degraded = True
-                cid = _create(client, ck, data, target, target)
-                layer.install(Path(ck.path) / "layer.tar", _upper(client, cid), data["files"]["layer.tar"])
+                cid = _create(client, ck, data, target, target, shared=shared)
+                if shared is None:
+                    layer.install(Path(ck.path) / "layer.tar", _upper(client, cid), data["files"]["layer.tar"])
                 layer_ns = time.time_ns()
         if degraded:
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
@@ -172,7 +176,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
     sandbox = DockerSandbox.attach(cid, ck.config, target, client)
     sandbox.restored_from = ck.id
-    sandbox.layer_installed_ns = layer_ns
+    sandbox.layer_installed_ns = layer_ns if shared is None else None  # its upperdir holds only its own writes
     sandbox.degraded = degraded
     return sandbox
 
@@ -245,15 +249,24 @@ class _Staged:
 
 
 def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str,
-            layer_image: Path | None = None) -> str:
+            layer_image: Path | None = None, shared: shared_layer.SharedLower | None = None) -> str:
     """A created (not started) container with the checkpoint's settings and exact image,
     named ``name`` and labelled as sandbox ``sandbox``; with ``layer_image`` (pre-staged,
     layer inside) that file system is mounted as its disk-capped layer instead of an
-    empty one."""
+    empty one; with ``shared``, that layer goes on top of its lower layers (and its label
+    on it)."""
     update: dict[str, Any] = {"image": data.get("image_id") or ck.config.image}
     if layer_image is not None:
         update["disk"] = None  # the cap is layer_image's own size
-    cid = create_container(client, ck.config.model_copy(update=update), name, labels={SANDBOX_NAME: sandbox}).id
+    labels = {SANDBOX_NAME: sandbox, **(shared.labels if shared is not None else {})}
+    cid = create_container(client, ck.config.model_copy(update=update), name, labels=labels).id
+    if shared is not None:
+        try:
+            with translate_errors(f"inspect restored sandbox {sandbox}"):
+                shared.attach(client.api.inspect_container(cid))
+        except BaseException:
+            remove_quietly(client, cid)
+            raise
     if layer_image is not None:
         try:
             with translate_errors(f"inspect restored sandbox {sandbox}"):
