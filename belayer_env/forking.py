@@ -9,7 +9,7 @@ Sharing (``share=True``, the default): the checkpoint's layer is unpacked and ve
 once, then shared read-only by every fork as its top overlay lower layer, each fork
 writing copy-on-write into an empty upperdir of its own (``checkpoint.shared_layer``:
 how, what differs, lifetime). Not shared, each fork unpacking its own copy as a plain
-restore does: ``share=False``, a disk-capped sandbox, a layer with hardlinked files. The
+restore does: ``share=False``, or a layer with hardlinked files. The
 CRIU images are hardlinked from the store into every fork (read only) either way.
 """
 
@@ -59,7 +59,7 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         raise UsageError("names must be n distinct sandbox names, none the checkpoint's own")
     client = client or connect(checkpoint.config.docker_host)
     names = names or [fork_name(checkpoint, i) for i in range(n)]
-    if not share or shared_layer.unshareable(checkpoint):
+    if not share:
         return _restore_all(checkpoint, client, names, parallel, None)
     root = prestaging.docker_root(client)
     with contextlib.suppress(Exception):  # best effort: copies no container uses any more

@@ -24,6 +24,11 @@ image's own directories (``mv`` and most tools copy instead). A layer with hardl
 files is not shared (a write would copy up one name and split the link): those
 checkpoints are forked with a copy each.
 
+A disk-capped sandbox (``belayer_env.disk``) shares too: its fork's upperdir is on a
+capped file system of its own, the shared layer is not, so the cap bounds what the fork
+writes itself (the checkpoint's layer is not counted again per fork); the host's disk is
+protected as before (every writer is capped, the shared copy is written once).
+
 A checkpoint of a fork records the shared layer merged with the fork's upperdir
 (``tar_merged``): upper entries replace lower ones, upper whiteouts and non-directories
 hide the lower subtree, opaque upper directories hide the lower children. Such a
@@ -117,14 +122,6 @@ def of_container(inspect: dict[str, Any]) -> SharedLower | None:
     if not shared.ready():
         raise layer.LayerError(f"the shared layer {name} this fork runs on is gone from {shared.root}")
     return shared
-
-
-def unshareable(ck: Checkpoint) -> str | None:
-    """Why ``ck`` is forked with a copy per fork, or None."""
-    if ck.config.disk_bytes is not None:
-        return ("the sandbox has a disk cap: each fork's capped file system holds its own copy of the layer, "
-                "so that the cap means what it meant in the sandbox forked")
-    return None
 
 
 @contextlib.contextmanager
