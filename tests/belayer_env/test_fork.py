@@ -205,3 +205,42 @@ def test_fork_without_sharing_gives_each_fork_its_own_layer(make_sandbox, ck_sto
     finally:
         for f in forks:
             fence(docker_client, f.name, background=False)
+
+
+def test_a_layer_with_hardlinks_is_forked_with_a_copy_each(make_sandbox, ck_store, docker_client):
+    # a shared lower would split a hardlink on the first write through one of its names
+    src = make_sandbox(disk=None)  # and the path without a disk cap
+    assert src.execute("mkdir -p /w && echo 1 > /w/a && ln /w/a /w/b")["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    at_ck = tree_hash(src)
+    forks = fork(ck, 2, client=docker_client)
+    try:
+        assert [f.shared_lower for f in forks] == [None, None]
+        assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
+        assert forks[0].execute("echo 2 >> /w/a && cat /w/b")["output"] == "1\n2\n"  # still one file, two names
+        assert forks[1].execute("cat /w/b")["output"] == "1\n"
+    finally:
+        for f in forks:
+            fence(docker_client, f.name, background=False)
+    sweep_shared_layers(docker_client)
+
+
+def test_uncapped_forks_share_too(make_sandbox, ck_store, docker_client):
+    src = make_sandbox(disk=None)
+    assert src.execute(ORIGIN_SETUP)["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    at_ck = tree_hash(src)
+    forks = fork(ck, 2, client=docker_client)
+    try:
+        assert forks[0].shared_lower is not None
+        assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
+        assert forks[0].execute(FORK_WRITES)["returncode"] == 0
+        assert tree_hash(forks[1]) == at_ck
+        mid = tree_hash(forks[0])
+        back = full_restore(full_checkpoint(forks[0], ck_store, 2), client=docker_client, name=f"{forks[0].name}-r")
+        forks.append(back)
+        assert tree_hash(back) == mid
+    finally:
+        for f in forks:
+            fence(docker_client, f.name, background=False)
+    sweep_shared_layers(docker_client)
