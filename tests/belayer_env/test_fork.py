@@ -11,14 +11,17 @@ removes a shared layer once no container uses it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
+from belayer.cli import main as cli_main
 from belayer.errors import UsageError
 from belayer_env import fork
 from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestaging, shared_layer
+from belayer_env.checkpoint.manifest import read_manifest_digest
 from belayer_env.fence import sandbox_containers
 from belayer_env.gc import list_managed, sweep_shared_layers
 from belayer_env.treehash import tree_hash
@@ -172,7 +175,7 @@ def test_forks_share_the_layer_and_their_checkpoints_restore_to_the_fork(make_sa
             fence(docker_client, sb.name, background=False)
 
 
-def test_gc_removes_shared_layers_no_container_uses(make_sandbox, ck_store, docker_client):
+def test_gc_removes_shared_layers_no_container_uses(make_sandbox, ck_store, docker_client, capsys):
     src = make_sandbox()
     assert src.execute("mkdir -p /w && echo 1 > /w/f")["returncode"] == 0
     ck = full_checkpoint(src, ck_store, 1)
@@ -188,7 +191,13 @@ def test_gc_removes_shared_layers_no_container_uses(make_sandbox, ck_store, dock
     finally:
         for f in forks:
             fence(docker_client, f.name, background=False)
-    assert name in sweep_shared_layers(docker_client)
+    # no container uses it now; a fork being made from it (its lease) still keeps it
+    data, digest = read_manifest_digest(Path(ck.path))
+    with shared_layer.lease(docker_client, ck, prestaging.docker_root(docker_client), data, digest) as held:
+        assert held is not None and held.name == name
+        assert name not in sweep_shared_layers(docker_client) and root.is_dir()
+    assert cli_main(["gc", "--json"]) == 0
+    assert name in json.loads(capsys.readouterr().out)["shared_layers"]
     assert not root.exists() and not os.path.lexists(link)
 
 
