@@ -66,6 +66,8 @@ READY = "ready"
 ENTRIES = "entries"
 LINK_FILE = "link"
 _creating = threading.Lock()
+_unshareable: set[str] = set()
+"""Names of layers this process found hardlinked files in: not unpacked again to learn it."""
 
 
 class SharedLower:
@@ -117,6 +119,8 @@ def of_container(inspect: dict[str, Any]) -> SharedLower | None:
     name = ((inspect.get("Config") or {}).get("Labels") or {}).get(LABEL)
     if not name:
         return None
+    if "/" in name or name.startswith("."):
+        raise layer.LayerError(f"label {LABEL}={name!r} names no shared layer")
     upper = layer.upper_dir(inspect)  # <root>/overlay2/<id>/diff
     shared = SharedLower(lowers_root(upper.parents[2]) / name)
     if not shared.ready():
@@ -134,11 +138,15 @@ def lease(client: docker.DockerClient, ck: Checkpoint, docker_root: str | Path,
     base.mkdir(mode=0o700, exist_ok=True)
     name = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', ck.id)[:80]}-{digest[:12]}~{owner_tag()}"
     root = base / name
+    if name in _unshareable:
+        yield None
+        return
     for _ in range(3):
         with _creating:
             if not (root / READY).is_file() and not (root / "unshareable").is_file():
                 _make(ck, root, manifest)
         if (root / "unshareable").is_file():
+            _unshareable.add(name)
             yield None
             return
         fd = _open_dir(root)
