@@ -64,7 +64,8 @@ directory of its own (depth unknown here), and ``..`` at ``/`` stays at ``/``.""
 def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client: docker.DockerClient | None = None,
                  phase_hook: PhaseHook | None = None, name: str | None = None,
                  use_staged: bool = True, images: Images | None = None,
-                 shared: shared_layer.SharedLower | None = None) -> DockerSandbox:
+                 shared: shared_layer.SharedLower | None = None,
+                 verified_images: Path | None = None) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
@@ -72,6 +73,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     sandbox's own restore. ``images``: how the CRIU images reach CRIU (module docstring).
     ``shared``: the checkpoint's layer already unpacked as a shared lower layer (``fork``):
     the container gets it as its top lower layer and an empty upperdir (``shared_layer``).
+    ``verified_images``: a directory of the checkpoint's runtime images already verified
+    against this manifest (``fork``: once for all forks); they are hardlinked, not hashed again.
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -104,8 +107,9 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # into place with one rename (the layer: not when it is a shared lower layer)
         fs = None if shared is not None else _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
             Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
-        runtime_images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
-            Path(ck.path), data["files"], d)) if ck.has_runtime else None
+        fill_images = ((lambda d: _link_all(verified_images, d)) if verified_images is not None else
+                       (lambda d: runtime.install(Path(ck.path), data["files"], d)))
+        runtime_images = _Staged(ck, "runtime images", tmp, fill_images) if ck.has_runtime else None
     cid, fenced, degraded = None, [], not ck.has_runtime
     images_dir: Path | None = None
     try:
@@ -298,6 +302,11 @@ class _Background:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def _link_all(src: Path, dest: Path) -> None:
+    for f in src.iterdir():
+        os.link(f, dest / f.name)
 
 
 def _upper(client: docker.DockerClient, cid: str) -> Path:
