@@ -1,13 +1,17 @@
 """``fork``: N independent sandboxes from one checkpoint, all at its boundary.
 
-For GRPO groups that share a prefix and for tree search: every fork is a full restore of
-the same checkpoint (its file-system layer and every process, CRIU) under a sandbox name
-of its own, so each one is prefix-consistent with the checkpoint and fenced, labelled and
+For GRPO groups that share a prefix and for tree search: every fork is a restore of the
+same checkpoint (its file-system layer and every process, CRIU) under a sandbox name of
+its own, so each one is prefix-consistent with the checkpoint and fenced, labelled and
 reaped (``belayer gc``) like any other sandbox. Forks run their restores side by side.
 
-Sharing: the CRIU images are hardlinked from the store into every fork (read only); the
-writable layer is unpacked once per fork, because overlay writes into the upperdir in
-place, so a layer shared by hardlinks would leak one fork's writes into the others.
+Sharing (``share=True``, the default): the checkpoint's layer is unpacked and verified
+once, then shared read-only by every fork as its top overlay lower layer, each fork
+writing copy-on-write into an empty upperdir of its own (``checkpoint.shared_layer``:
+how, what differs, lifetime). Not shared, each fork unpacking its own copy as a plain
+restore does: ``share=False``, or a layer with hardlinked files. The CRIU images are
+verified once (hardlinked from the store onto Docker's disk and hashed, beside the layer's
+unpack) and hardlinked from there into every fork (read only).
 """
 
 from __future__ import annotations
@@ -15,15 +19,19 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import shutil
 import time
 import uuid
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import docker
 
-from belayer.errors import UsageError
-from belayer_env.checkpoint.manifest import Checkpoint
+from belayer.errors import RestoreFailed, UsageError
+from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
+from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.restore import full_restore
+from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence
 from belayer_env.sandbox import DockerSandbox
@@ -40,9 +48,11 @@ def fork_name(checkpoint: Checkpoint, index: int) -> str:
 
 
 def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
-         names: list[str] | None = None, parallel: int = 8) -> list[DockerSandbox]:
+         names: list[str] | None = None, parallel: int = 8, share: bool = True) -> list[DockerSandbox]:
     """Restore ``checkpoint`` ``n`` times into new sandboxes; all or none.
 
+    ``share``: the forks share the checkpoint's layer copy-on-write (module docstring);
+    each fork's ``.shared_lower`` names the shared copy (None: a copy of its own).
     Raises ``RestoreFailed`` (the first failure) after fencing every fork already made; the
     sandbox the checkpoint was taken from is never touched.
     """
@@ -52,9 +62,52 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         raise UsageError("names must be n distinct sandbox names, none the checkpoint's own")
     client = client or connect(checkpoint.config.docker_host)
     names = names or [fork_name(checkpoint, i) for i in range(n)]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, n)),
+    if not share:
+        return _restore_all(checkpoint, client, names, parallel, None)
+    root = prestaging.docker_root(client)
+    with contextlib.suppress(Exception):  # best effort: copies no container uses any more
+        shared_layer.sweep(client, root)
+    try:
+        data, digest = read_manifest_digest(Path(checkpoint.path))
+    except ValueError as e:
+        raise RestoreFailed(f"checkpoint {checkpoint.id} is incomplete: {e}", checkpoint=checkpoint.id) from e
+    images_job = None
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="belayer-fork-images") as one:
+            # the CRIU images verified once for all forks, beside the layer's unpack
+            images_job = one.submit(_verified_images, checkpoint, client, data) if checkpoint.has_runtime else None
+            with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
+                images = images_job.result() if images_job is not None else None
+                return _restore_all(checkpoint, client, names, parallel, shared, images)
+    except layer.LayerError as e:
+        raise RestoreFailed(f"checkpoint {checkpoint.id}: file-system layer unusable: {e}",
+                            checkpoint=checkpoint.id) from e
+    except (runtime.CriuError, OSError) as e:
+        raise RestoreFailed(f"checkpoint {checkpoint.id}: runtime images unusable: {e}",
+                            checkpoint=checkpoint.id) from e
+    finally:  # every fork has linked its own (or failed): the shared verified copy goes
+        if images_job is not None and images_job.done() and images_job.exception() is None:
+            shutil.rmtree(images_job.result(), ignore_errors=True)
+
+
+def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: dict[str, Any]) -> Path:
+    """The checkpoint's runtime images hardlinked (else copied) onto Docker's disk and
+    checked against the manifest, under a name ``clean_dead_staging`` reaps if we die."""
+    d = prestaging.docker_tmp(client) / f"{prestaging.PREFIX}fork-{uuid.uuid4().hex[:12]}~{owner_tag()}"
+    try:
+        runtime.install(Path(checkpoint.path), data["files"], d)
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    return d
+
+
+def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,
+                 shared: shared_layer.SharedLower | None, images: Path | None = None) -> list[DockerSandbox]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
                                                thread_name_prefix="belayer-fork") as pool:
-        futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False)
+        futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
+                               verified_images=images)
                    for name in names]
         concurrent.futures.wait(futures)
     forks = [f.result() for f in futures if f.exception() is None]
@@ -64,6 +117,8 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
             with contextlib.suppress(Exception):
                 fence(client, name, background=False)
         raise failed[0]
+    for f in forks:
+        f.shared_lower = shared.name if shared is not None else None
     return forks
 
 

@@ -87,3 +87,10 @@ def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> lis
     """Force-remove ``containers``; return the ids removed (``remove_all`` also says why not)."""
     return remove_all(client, containers).removed
 
+
+def sweep_shared_layers(client: docker.DockerClient) -> list[str]:
+    """Remove the shared layers of forks (``checkpoint.shared_layer``) that no container
+    uses and no fork is being made from; the names removed."""
+    from belayer_env.checkpoint import prestaging, shared_layer
+
+    return shared_layer.sweep(client, prestaging.docker_root(client))

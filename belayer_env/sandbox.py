@@ -202,6 +202,9 @@ class DockerSandbox:
     """Wall clock (ns) once ``full_restore`` had the whole layer in place and no process of
     the container had run yet: entries with an older ctime are still the checkpoint's (what
     an incremental capture of the restored sandbox skips)."""
+    shared_lower: str | None = None
+    """The shared read-only copy of its checkpoint's layer a fork runs on (``fork``;
+    ``checkpoint.shared_layer``), None for a sandbox with a layer of its own."""
 
     def __init__(self, config: SandboxConfig | None = None, *, name: str | None = None,
                  client: docker.DockerClient | None = None, **overrides: Any):

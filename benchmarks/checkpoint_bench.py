@@ -28,7 +28,10 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   (``restore_s``). The other restores fence a live sandbox inside their timing (~0.1 s of
   ``docker kill`` under load).
 - ``fork``: ``fork(checkpoint, n)`` (``--fork-n``, default 8): n sandboxes from one
-  checkpoint, side by side; ``restore_s`` is the time until all n run.
+  checkpoint, side by side, sharing its layer as a read-only overlay lower layer
+  (unpacked once); ``restore_s`` is the time until all n run.
+- ``fork_copied``: ``fork(checkpoint, n, share=False)``: the same, each fork unpacking its
+  own copy of the layer (what ``fork`` did before); order with ``fork`` alternating by round.
 - ``cold``: create + start a fresh container (what a restore competes with: no state).
 
 The machine may be shared: the load average is recorded at the start and after every run
@@ -37,6 +40,7 @@ not with figures from another machine.
 
 Each round starts with an agent-like step (a few small files written) so there is something to
 capture. ``--capture-only``: only the two captures and the restore, per round (short runs).
+``--fork-only``: only a capture and the two forks (shared, copied), per round.
 
 Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root). It runs again and
 again on one machine: every name it creates (containers, Docker checkpoints, images) carries a
@@ -70,6 +74,7 @@ from belayer_env.checkpoint.standby import Standby  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 from belayer_env.forking import fork  # noqa: E402
+from belayer_env.gc import sweep_shared_layers  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
 
 HEAVY_SETUP = r"""
@@ -89,13 +94,13 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "docker", "cold")
+METHODS = ("belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "fork_copied", "docker", "cold")
 STEP = "mkdir -p /work/steps && for i in 1 2 3 4 5; do echo {i} >> /work/steps/log$i; done && echo {i} > /work/steps/last"
 """An agent-like step before every capture: a few small files appended to or rewritten."""
 LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused capture (before)",
           "prestaged": "belayer (pre-staged)", "prestaged_copied": "belayer (pre-staged, copied)",
           "standby": "belayer (standby)",
-          "fork": "belayer fork x N (all)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
+          "fork": "belayer fork x N (all, shared)", "fork_copied": "belayer fork x N (all, copied)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
 STANDBY_WAIT_S = 300.0
 
 
@@ -167,14 +172,45 @@ def standby_rollback(client, sb: DockerSandbox, ck) -> tuple[DockerSandbox, floa
     return promoted, st.prepare_s or 0.0, elapsed
 
 
-def fork_all(client, ck, n: int) -> float:
+def fork_all(client, ck, n: int, share: bool = True) -> float:
     t0 = time.monotonic()
-    forks = fork(ck, n, client=client)
+    forks = fork(ck, n, client=client, share=share)
     elapsed = time.monotonic() - t0
     for f in forks:
         assert f.is_alive(), f"fork {f.name} is not running"
+        assert (f.shared_lower is not None) == share, f"fork {f.name}: shared {f.shared_lower}, asked {share}"
         fence(client, f.name, background=False)
+    sweep_shared_layers(client)  # its shared layer, now unused: not left to the next fork
     return elapsed
+
+
+def fork_pair(client, ck, n: int, i: int, out: dict) -> None:
+    """``fork`` and ``fork_copied`` of one checkpoint, in alternating order."""
+    for share in ((True, False) if i % 2 == 0 else (False, True)):
+        out["fork" if share else "fork_copied"]["restore_s"].append(fork_all(client, ck, n, share))
+
+
+def run_fork_only(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, fork_n: int,
+                  loads: list) -> dict:
+    sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
+    if scenario == "heavy":
+        r = sb.execute(HEAVY_SETUP)
+        assert r["returncode"] == 0, r["output"][-2000:]
+    out = {"fork": {"restore_s": []}, "fork_copied": {"restore_s": []}, "belayer": {"size_bytes": []}}
+    try:
+        for i in range(runs):
+            sb.execute(STEP.format(i=i))
+            ck = full_checkpoint(sb, store)
+            out["belayer"]["size_bytes"].append(ck.size_bytes)
+            fork_pair(client, ck, fork_n, i, out)
+            loads.append(os.getloadavg())
+            print(f"  {scenario} run {i + 1}/{runs}: fork x{fork_n} shared {out['fork']['restore_s'][-1] * 1e3:.0f} ms,"
+                  f" copied {out['fork_copied']['restore_s'][-1] * 1e3:.0f} ms, load {loads[-1][0]:.1f}", flush=True)
+    finally:
+        for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
+            fence(client, c["Names"][0].lstrip("/"), background=False)
+        sweep_shared_layers(client)
+    return out
 
 
 def capture_pair(sb: DockerSandbox, store: CheckpointStore, i: int, out: dict) -> object:
@@ -238,6 +274,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     out["cold"] = {"restore_s": []}
     out["standby"] = {"prepare_s": [], "restore_s": []}
     out["fork"] = {"restore_s": []}
+    out["fork_copied"] = {"restore_s": []}
     images: list[str] = []
     try:
         for i in range(runs):
@@ -274,7 +311,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             out["standby"]["prepare_s"].append(prepare_s)
             out["standby"]["restore_s"].append(rollback_s)
             if fork_n:
-                out["fork"]["restore_s"].append(fork_all(client, ck, fork_n))
+                fork_pair(client, ck, fork_n, i, out)
             out["cold"]["restore_s"].append(cold_start(client, sb.config))
             loads.append(os.getloadavg())
             print(f"  {scenario} run {i + 1}/{runs}: standby rollback {rollback_s * 1e3:.0f} ms (prepare "
@@ -340,11 +377,13 @@ def main() -> int:
     ap.add_argument("--fork-n", type=int, default=8, help="sandboxes per fork (0: no fork measurement)")
     ap.add_argument("--capture-only", action="store_true",
                     help="only the paused vs incremental captures (and a restore every other round)")
+    ap.add_argument("--fork-only", action="store_true", help="only a capture and the two forks (shared, copied)")
     ap.add_argument("--out", default=None, help="default: results/checkpoint_bench.json "
                     "(results/checkpoint_bench_capture.json with --capture-only)")
     args = ap.parse_args()
     if args.out is None:
-        name = "checkpoint_bench_capture.json" if args.capture_only else "checkpoint_bench.json"
+        name = ("checkpoint_bench_capture.json" if args.capture_only else
+                "checkpoint_bench_fork.json" if args.fork_only else "checkpoint_bench.json")
         args.out = str(Path(__file__).parent / "results" / name)
     client = connect()
     run_id = uuid.uuid4().hex[:8]
@@ -359,7 +398,9 @@ def main() -> int:
                       "after every run); figures under load are meaningful side by side, as ratios"}
     try:
         for scen in args.scenarios.split(","):
-            if args.capture_only:
+            if args.fork_only:
+                raw = run_fork_only(client, scen, args.runs, store, run_id, args.fork_n, result["host"]["loadavg"])
+            elif args.capture_only:
                 raw = run_capture_only(client, scen, args.runs, store, run_id, result["host"]["loadavg"])
             else:
                 raw = run_scenario(client, scen, args.runs, store, run_id, args.fork_n, result["host"]["loadavg"])

@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="remove sandbox containers, engine processes and arena shm files whose owner is gone",
                        description="Remove Belayer sandbox containers whose owner process no longer runs, end engine "
                                    "processes (arenas, workers, shadows) whose engine is gone (owner pid + start "
-                                   "time), and remove the /dev/shm files (weights, KV) of arenas that were killed.")
+                                   "time), remove the /dev/shm files (weights, KV) of arenas that were killed, and "
+                                   "the shared layers of forks that no container uses any more.")
     p.add_argument("--all", action="store_true", help="remove every Belayer container, owned or not "
                                                       "(arena files of running arenas are always kept)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from belayer_engine.backends.sglang import shm_files as sglang_shm
     from belayer_engine.owner import orphans
     from belayer_env.docker_api import connect
-    from belayer_env.gc import GcReport, list_managed, remove_all
+    from belayer_env.gc import GcReport, list_managed, remove_all, sweep_shared_layers
 
     engine_procs = orphans()
     ended = [] if args.dry_run else _end_processes([pid for pid, _ in engine_procs])
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     targets = [c for c in managed if args.all or c.orphaned]
     report = GcReport() if args.dry_run else remove_all(client, targets)
     removed, failed = report.removed, report.failed
+    shared_layers = [] if args.dry_run else sweep_shared_layers(client)  # after the containers that used them
     if args.json:
         print(json.dumps({
             "managed": len(managed),
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             "failed": {c.name: failed[c.id] for c in targets if c.id in failed},
             "engine_processes": [{"pid": pid, "owner": own, "ended": pid in ended} for pid, own in engine_procs],
             "arena_files": arena_files,
+            "shared_layers": shared_layers,
             "dry_run": args.dry_run,
         }, indent=2))
     else:
@@ -76,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{verb:>12}  engine process {pid}  (owner {own} gone)")
         for path in arena_files:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (arena process gone)")
+        for name in shared_layers:
+            print(f"{'removed':>12}  shared fork layer {name}  (no container uses it)")
         for c in targets:
             verb = "would remove" if args.dry_run else ("FAILED" if c.id in failed else "removed")
             why = f": {failed[c.id]}" if c.id in failed else ""

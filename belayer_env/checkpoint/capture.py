@@ -38,7 +38,7 @@ import docker
 
 from belayer.errors import BelayerError, CheckpointFailed, InfraError, UsageError
 from belayer_env import disk, freezer
-from belayer_env.checkpoint import incremental, layer, runtime
+from belayer_env.checkpoint import incremental, layer, runtime, shared_layer
 from belayer_env.checkpoint.criu_hooks import dump_stats
 from belayer_env.checkpoint.manifest import Checkpoint, copy_hashed, write_manifest
 from belayer_env.checkpoint.store import CheckpointStore
@@ -92,10 +92,11 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
                 raise CheckpointFailed(f"runtime checkpoint unavailable: {why}; pass runtime=False for a file-system-only (degraded) checkpoint")
             info = _inspect(sandbox)
             upper = layer.upper_dir(info)
+            shared = shared_layer.of_container(info)  # a fork: its upperdir holds only its own writes
             _check_space(sandbox, info, store)  # before the freeze: a too-large layer never freezes
             scratch = store.new_scratch(ck_id)
             mirror = delta = None
-            extra: dict[str, Any] = {"capture": capture}
+            extra: dict[str, Any] = {"capture": capture, **({"shared_lower": shared.name} if shared else {})}
             phase = "freeze"
             if capture == "incremental":
                 mirror = incremental.Mirror(store.mirror_dir(sandbox.name))
@@ -126,14 +127,21 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
             staging = store.new_staging(ck_id)
             if delta is not None and mirror is not None:
                 try:
-                    incremental.update(mirror, upper, delta, ck_id)
+                    # a fork's mirror is of its upperdir only: never the layer of ck_id (restored-mirror)
+                    incremental.update(mirror, upper, delta, ck_id if shared is None else f"{ck_id}+upper")
                 except BaseException:
                     mirror.drop()  # never trusted again half-updated
                     raise
                 finally:
                     delta.base.close()
                 with open(staging / "layer.tar", "wb") as fo:
-                    lsize, ldigest = incremental.tar_tree(mirror.tree, fo, store.max_layer_bytes)
+                    lsize, ldigest = (shared_layer.tar_merged(shared, mirror.tree, fo, scratch, store.max_layer_bytes)
+                                      if shared else incremental.tar_tree(mirror.tree, fo, store.max_layer_bytes))
+                files = {"layer.tar": {"size": lsize, "sha256": ldigest}, **_write_artifacts(scratch, staging, False)}
+            elif shared is not None:  # the fork's upperdir + the shared layer under it: the whole layer
+                with open(staging / "layer.tar", "wb") as fo:
+                    lsize, ldigest = shared_layer.tar_merged_from_tar(shared, scratch / "layer.tar", fo, scratch,
+                                                                      store.max_layer_bytes)
                 files = {"layer.tar": {"size": lsize, "sha256": ldigest}, **_write_artifacts(scratch, staging, False)}
             else:
                 files = _write_artifacts(scratch, staging)

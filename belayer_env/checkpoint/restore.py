@@ -42,7 +42,7 @@ import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
 from belayer_env import disk, fence
-from belayer_env.checkpoint import layer, prestaging, runtime
+from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect, translate_errors
@@ -63,12 +63,18 @@ directory of its own (depth unknown here), and ``..`` at ``/`` stays at ``/``.""
 
 def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client: docker.DockerClient | None = None,
                  phase_hook: PhaseHook | None = None, name: str | None = None,
-                 use_staged: bool = True, images: Images | None = None) -> DockerSandbox:
+                 use_staged: bool = True, images: Images | None = None,
+                 shared: shared_layer.SharedLower | None = None,
+                 verified_images: Path | None = None) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
     ``fork`` and the standby use). ``use_staged=False`` leaves a pre-staged copy for the
     sandbox's own restore. ``images``: how the CRIU images reach CRIU (module docstring).
+    ``shared``: the checkpoint's layer already unpacked as a shared lower layer (``fork``):
+    the container gets it as its top lower layer and an empty upperdir (``shared_layer``).
+    ``verified_images``: a directory of the checkpoint's runtime images already verified
+    against this manifest (``fork``: once for all forks); they are hardlinked, not hashed again.
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -86,7 +92,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     client = client or connect(ck.config.docker_host)
     tmp = prestaging.docker_tmp(client)
     prestaging.clean_dead_staging(tmp)
-    staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged else None
+    staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged and shared is None else None
     layer_image: Path | None = None
     if staged is not None:  # pre-staged and verified against this very manifest
         hook(Phase.STAGED)
@@ -98,11 +104,12 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         runtime_images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
     else:
         # unpack + verify both artifacts on Docker's disk, side by side; each is then moved
-        # into place with one rename
-        fs = _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
+        # into place with one rename (the layer: not when it is a shared lower layer)
+        fs = None if shared is not None else _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
             Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
-        runtime_images = _Staged(ck, "runtime images", tmp, lambda d: runtime.install(
-            Path(ck.path), data["files"], d)) if ck.has_runtime else None
+        fill_images = ((lambda d: _link_all(verified_images, d)) if verified_images is not None else
+                       (lambda d: runtime.install(Path(ck.path), data["files"], d)))
+        runtime_images = _Staged(ck, "runtime images", tmp, fill_images) if ck.has_runtime else None
     cid, fenced, degraded = None, [], not ck.has_runtime
     images_dir: Path | None = None
     try:
@@ -121,7 +128,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         linking = (_Background(runtime_images.link_into, link_dir)
                    if runtime_images is not None and via == "linked" else None)
         try:
-            cid, info = _create(client, ck, data, new_name, target, layer_image)
+            cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
             hook(Phase.CREATED)
             if fs is not None:
                 fs.move_to(layer.upper_dir(info))
@@ -156,8 +163,9 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                     raise RestoreFailed(f"checkpoint {ck.id}: CRIU restore failed: {_short(e)}",
                                         checkpoint=ck.id) from e
                 degraded = True
-                cid, _ = _create(client, ck, data, target, target)
-                layer.install(Path(ck.path) / "layer.tar", _upper(client, cid), data["files"]["layer.tar"])
+                cid, info = _create(client, ck, data, target, target, shared=shared)
+                if shared is None:
+                    layer.install(Path(ck.path) / "layer.tar", layer.upper_dir(info), data["files"]["layer.tar"])
                 layer_ns = time.time_ns()
         if degraded:
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
@@ -184,7 +192,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
     sandbox = DockerSandbox.attach(cid, ck.config, target, client)
     sandbox.restored_from = ck.id
-    sandbox.layer_installed_ns = layer_ns
+    sandbox.layer_installed_ns = layer_ns if shared is None else None  # its upperdir holds only its own writes
     sandbox.degraded = degraded
     return sandbox
 
@@ -271,16 +279,25 @@ def _nonce(images_dir: Path) -> None:
 
 
 def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str,
-            layer_image: Path | None = None) -> tuple[str, dict[str, Any]]:
+            layer_image: Path | None = None,
+            shared: shared_layer.SharedLower | None = None) -> tuple[str, dict[str, Any]]:
     """A created (not started) container with the checkpoint's settings and exact image,
     named ``name`` and labelled as sandbox ``sandbox``, and Docker's inspect of it; with
     ``layer_image`` (pre-staged, layer inside) that file system is mounted as its
-    disk-capped layer instead of an empty one."""
+    disk-capped layer instead of an empty one; with ``shared``, that layer goes on top of
+    its lower layers (and its label on it)."""
     update: dict[str, Any] = {"image": data.get("image_id") or ck.config.image}
     if layer_image is not None:
         update["disk"] = None  # the cap is layer_image's own size
-    container = create_container(client, ck.config.model_copy(update=update), name, labels={SANDBOX_NAME: sandbox})
+    labels = {SANDBOX_NAME: sandbox, **(shared.labels if shared is not None else {})}
+    container = create_container(client, ck.config.model_copy(update=update), name, labels=labels)
     info = container.attrs  # docker-py inspected it right after the create
+    if shared is not None:
+        try:
+            shared.attach(info)
+        except BaseException:
+            remove_quietly(client, container.id)
+            raise
     if layer_image is not None:
         try:
             disk.mount_layer_image(info, layer_image)
@@ -315,9 +332,9 @@ class _Background:
         return self._value
 
 
-def _upper(client: docker.DockerClient, cid: str) -> Path:
-    with translate_errors("inspect restored sandbox"):
-        return layer.upper_dir(client.api.inspect_container(cid))
+def _link_all(src: Path, dest: Path) -> None:
+    for f in src.iterdir():
+        os.link(f, dest / f.name)
 
 
 def _wait_running(client: docker.DockerClient, cid: str, ck: Checkpoint) -> None:

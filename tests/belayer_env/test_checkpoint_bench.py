@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
-    from belayer_env.checkpoint import runtime
+    from belayer_env.checkpoint import prestaging, runtime, shared_layer
 
     if why := runtime.available():
         pytest.skip(f"CRIU checkpoints unavailable: {why}")
@@ -34,9 +34,11 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         run_id = result["host"]["run_id"]
         idle = result["scenarios"]["idle"]
         assert {m for m in idle if m not in ("raw", "belayer_detail")} == {
-            "belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "docker", "cold"}
+            "belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "fork_copied", "docker", "cold"}
         assert idle["belayer_detail"], "the incremental capture's breakdown is reported"
         assert idle["fork"]["restore_s"]["n"] == 1 and idle["standby"]["restore_s"]["n"] == 1
         assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})
         assert not docker_client.api.images(name=f"belayer-bench:{run_id}-*")
         assert not Path(result["host"]["store"]).exists()
+        lowers = shared_layer.lowers_root(prestaging.docker_root(docker_client))
+        assert not [p for p in (lowers.iterdir() if lowers.is_dir() else ()) if run_id in p.name]  # fork's shared layers

@@ -3,17 +3,28 @@
 Real containers and CRIU: every fork carries a live HTTP server (its hit counter lives in
 memory) and an append-only log written by a background process; writes made in one fork
 after the fork are never seen in another one, nor in the sandbox the checkpoint came from.
+Forks share the checkpoint's layer as a read-only overlay lower layer (copy-on-write): each
+fork's tree is the checkpoint's, a checkpoint of a fork (both capture modes) holds the
+fork's whole layer and restores to the fork's tree and processes, and ``belayer gc``
+removes a shared layer once no container uses it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 
+from belayer.cli import main as cli_main
 from belayer.errors import UsageError
 from belayer_env import fork
-from belayer_env.checkpoint import fence, full_checkpoint
+from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestaging, shared_layer
+from belayer_env.checkpoint.manifest import read_manifest_digest
 from belayer_env.fence import sandbox_containers
-from belayer_env.gc import list_managed
+from belayer_env.gc import list_managed, sweep_shared_layers
+from belayer_env.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 
 
@@ -32,6 +43,8 @@ def test_fork_gives_independent_prefix_consistent_sandboxes(make_sandbox, ck_sto
     forks = fork(ck, 3, client=docker_client)
     try:
         assert len({f.name for f in forks}) == 3 and src.name not in {f.name for f in forks}
+        # one shared copy of the layer under all of them; their own upperdirs start empty
+        assert forks[0].shared_lower and {f.shared_lower for f in forks} == {forks[0].shared_lower}
         for i, f in enumerate(forks):
             assert f.restored_from == ck.id and f.is_alive()
             # prefix-consistent: the server's in-memory counter continues from the checkpoint,
@@ -98,3 +111,145 @@ def test_env_fork_returns_envs_at_the_same_boundary(make_env, docker_client):
         for c in children:
             c.close()
             assert not sandbox_containers(docker_client, c.name, by_name=True)
+
+
+def _upper(docker_client, sb) -> Path:
+    return Path(docker_client.api.inspect_container(sb.container_id)["GraphDriver"]["Data"]["UpperDir"])
+
+
+def _shared_root(docker_client, name: str) -> Path:
+    return shared_layer.lowers_root(prestaging.docker_root(docker_client)) / name
+
+
+# the origin's layer: files, a whiteout over an image file, an opaque directory over an
+# image directory, a symlink, a sparse file, a directory only the layer has
+ORIGIN_SETUP = ("mkdir -p /w/sub/deep && echo base > /w/a && echo keep > /w/sub/deep/k && ln -s a /w/link"
+                " && truncate -s 1M /w/sparse && rm /etc/issue && rm -rf /usr/share/doc"
+                " && mkdir /usr/share/doc && echo mine > /usr/share/doc/only")
+FORK_WRITES = ("echo changed > /w/a && rm /w/link && rm -rf /w/sub && mkdir /w/sub && echo new > /w/sub/n"
+               " && rm /usr/share/doc/only && mkdir -p /w/new/d && echo x > /w/new/d/f && chmod 700 /w/new")
+
+
+def test_forks_share_the_layer_and_their_checkpoints_restore_to_the_fork(make_sandbox, ck_store, docker_client):
+    src = make_sandbox()
+    assert src.execute(ORIGIN_SETUP)["returncode"] == 0
+    start_server(src)
+    h0 = http_get(src)
+    ck = full_checkpoint(src, ck_store, 1)
+    at_ck = tree_hash(src)  # nothing in the source writes files: its tree is the checkpoint's
+    forks = fork(ck, 2, client=docker_client)
+    restored = []
+    try:
+        shared = _shared_root(docker_client, forks[0].shared_lower)
+        assert (shared / "diff" / "w" / "a").read_text() == "base\n"
+        assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
+        assert not any((_upper(docker_client, f) / "w").exists() for f in forks)  # nothing copied per fork
+        # fork 0 rewrites, deletes and replaces what the shared layer holds; nobody else sees it
+        assert forks[0].execute(FORK_WRITES)["returncode"] == 0
+        assert http_get(forks[0]) == h0 + 1 and http_get(forks[0]) == h0 + 2
+        assert (shared / "diff" / "w" / "a").read_text() == "base\n"  # copy-on-write: the shared copy is intact
+        assert tree_hash(forks[1]) == at_ck and tree_hash(src) == at_ck
+        assert forks[1].execute("cat /w/a /w/sub/deep/k /usr/share/doc/only")["output"] == "base\nkeep\nmine\n"
+        assert http_get(forks[1]) == h0 + 1
+        mid = tree_hash(forks[0])
+        assert mid != at_ck
+        # a checkpoint of the fork, either capture mode, holds its whole layer (shared + own)
+        for i, mode in enumerate(("incremental", "paused")):
+            ck_f = full_checkpoint(forks[0], ck_store, 2 + i, capture=mode)
+            back = full_restore(ck_f, client=docker_client, name=f"{forks[0].name}-r{i}")
+            restored.append(back)
+            assert back.shared_lower is None  # a plain restore: a layer of its own
+            assert tree_hash(back) == mid, mode
+            assert http_get(back) == h0 + 3  # the fork's server at the checkpoint (h0 + 2), its own count
+            assert back.execute("cat /w/a /w/sub/n; ls /w/sub; test -e /w/link || echo nolink")["output"] == \
+                "changed\nnew\nn\nnolink\n"
+        # the fork's next (incremental, from its own mirror) capture after more writes
+        assert forks[0].execute("echo more >> /w/a && rm -rf /w/new")["returncode"] == 0
+        later = tree_hash(forks[0])
+        ck_g = full_checkpoint(forks[0], ck_store, 4, capture="incremental")
+        back = full_restore(ck_g, client=docker_client, name=f"{forks[0].name}-r2")
+        restored.append(back)
+        assert tree_hash(back) == later and http_get(back) == h0 + 3
+    finally:
+        for sb in [*forks, *restored]:
+            fence(docker_client, sb.name, background=False)
+
+
+def test_gc_removes_shared_layers_no_container_uses(make_sandbox, ck_store, docker_client, capsys):
+    src = make_sandbox()
+    assert src.execute("mkdir -p /w && echo 1 > /w/f")["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    forks = fork(ck, 2, client=docker_client)
+    name = forks[0].shared_lower
+    root = _shared_root(docker_client, name)
+    link = root.parent.parent / "overlay2" / "l" / (root / "link").read_text()
+    try:
+        assert link.resolve() == (root / "diff").resolve()
+        fence(docker_client, forks[0].name, background=False)
+        assert name not in sweep_shared_layers(docker_client) and root.is_dir()  # fork 1 still runs on it
+        assert forks[1].execute("cat /w/f")["output"] == "1\n"
+    finally:
+        for f in forks:
+            fence(docker_client, f.name, background=False)
+    # no container uses it now; a fork being made from it (its lease) still keeps it
+    data, digest = read_manifest_digest(Path(ck.path))
+    with shared_layer.lease(docker_client, ck, prestaging.docker_root(docker_client), data, digest) as held:
+        assert held is not None and held.name == name
+        assert name not in sweep_shared_layers(docker_client) and root.is_dir()
+    assert cli_main(["gc", "--json"]) == 0
+    assert name in json.loads(capsys.readouterr().out)["shared_layers"]
+    assert not root.exists() and not os.path.lexists(link)
+
+
+def test_fork_without_sharing_gives_each_fork_its_own_layer(make_sandbox, ck_store, docker_client):
+    src = make_sandbox()
+    assert src.execute("mkdir -p /w && echo 1 > /w/f")["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    at_ck = tree_hash(src)
+    forks = fork(ck, 2, client=docker_client, share=False)
+    try:
+        assert [f.shared_lower for f in forks] == [None, None]
+        assert (_upper(docker_client, forks[0]) / "w" / "f").read_text() == "1\n"
+        assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
+    finally:
+        for f in forks:
+            fence(docker_client, f.name, background=False)
+
+
+def test_a_layer_with_hardlinks_is_forked_with_a_copy_each(make_sandbox, ck_store, docker_client):
+    # a shared lower would split a hardlink on the first write through one of its names
+    src = make_sandbox(disk=None)  # and the path without a disk cap
+    assert src.execute("mkdir -p /w && echo 1 > /w/a && ln /w/a /w/b")["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    at_ck = tree_hash(src)
+    forks = fork(ck, 2, client=docker_client)
+    try:
+        assert [f.shared_lower for f in forks] == [None, None]
+        assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
+        assert forks[0].execute("echo 2 >> /w/a && cat /w/b")["output"] == "1\n2\n"  # still one file, two names
+        assert forks[1].execute("cat /w/b")["output"] == "1\n"
+    finally:
+        for f in forks:
+            fence(docker_client, f.name, background=False)
+    sweep_shared_layers(docker_client)
+
+
+def test_uncapped_forks_share_too(make_sandbox, ck_store, docker_client):
+    src = make_sandbox(disk=None)
+    assert src.execute(ORIGIN_SETUP)["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    at_ck = tree_hash(src)
+    forks = fork(ck, 2, client=docker_client)
+    try:
+        assert forks[0].shared_lower is not None
+        assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
+        assert forks[0].execute(FORK_WRITES)["returncode"] == 0
+        assert tree_hash(forks[1]) == at_ck
+        mid = tree_hash(forks[0])
+        back = full_restore(full_checkpoint(forks[0], ck_store, 2), client=docker_client, name=f"{forks[0].name}-r")
+        forks.append(back)
+        assert tree_hash(back) == mid
+    finally:
+        for f in forks:
+            fence(docker_client, f.name, background=False)
+    sweep_shared_layers(docker_client)

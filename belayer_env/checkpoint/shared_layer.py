@@ -1,0 +1,344 @@
+"""A checkpoint's layer as a shared, read-only overlay lower layer: ``fork`` without copies.
+
+Docker's overlay2 driver builds a container's ``lowerdir`` at every mount from the
+layer's ``lower`` file (``/var/lib/docker/overlay2/<id>/lower``: ``l/<link>`` entries,
+uppermost first, each resolved under the driver's home). A fork is created (not started),
+then ``l/<link>`` of one unpacked, verified copy of the checkpoint's layer is put at the
+head of that file: the fork starts with an empty upperdir over the checkpoint's layer,
+over the image. overlayfs honours the layer's whiteouts and opaque directories in a lower
+layer, and copies a file up on its first write, so every fork writes only its own
+upperdir: forking costs one unpack per checkpoint, not one per fork.
+
+Lifetime: the copy lives in ``<docker root>/belayer-lowers/<name>`` (not the store: its
+retention may delete the checkpoint), its link is ``overlay2/l/<link>``; every fork is
+labelled ``belayer.shared-lower=<name>``. It is never written once ready. ``sweep``
+(``belayer gc``, and every ``fork``) removes a copy and its link when no container, in any
+state, carries its label and no fork is being made from it (a fork holds a shared
+``flock`` on the copy's directory from before it checks the copy until its containers
+exist; ``sweep`` takes it exclusively, without waiting).
+
+What differs from a fork with its own copy (``fork(..., share=False)``): without
+overlay's ``redirect_dir`` (off on this kernel and in Docker's mount), ``rename(2)`` of a
+directory that the checkpoint's layer holds fails with EXDEV, as it already does for the
+image's own directories (``mv`` and most tools copy instead). A layer with hardlinked
+files is not shared (a write would copy up one name and split the link): those
+checkpoints are forked with a copy each.
+
+A disk-capped sandbox (``belayer_env.disk``) shares too: its fork's upperdir is on a
+capped file system of its own, the shared layer is not, so the cap bounds what the fork
+writes itself (the checkpoint's layer is not counted again per fork); the host's disk is
+protected as before (every writer is capped, the shared copy is written once).
+
+A checkpoint of a fork records the shared layer merged with the fork's upperdir
+(``tar_merged``): upper entries replace lower ones, upper whiteouts and non-directories
+hide the lower subtree, opaque upper directories hide the lower children. Such a
+checkpoint needs nothing of the shared copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import stat as stat_mod
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import docker
+
+from belayer_env.checkpoint import layer
+from belayer_env.checkpoint.manifest import CHUNK, Checkpoint
+from belayer_env.checkpoint.store import owner_alive, owner_tag
+from belayer_env.docker_api import translate_errors
+
+LABEL = "belayer.shared-lower"
+LOWERS_DIR = "belayer-lowers"
+LINK_PREFIX = "BELAYER"
+READY = "ready"
+ENTRIES = "entries"
+LINK_FILE = "link"
+_creating = threading.Lock()
+_unshareable: set[str] = set()
+"""Names of layers this process found hardlinked files in: not unpacked again to learn it."""
+
+
+class SharedLower:
+    """One unpacked, verified checkpoint layer under ``<docker root>/belayer-lowers``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.name = root.name
+
+    @property
+    def diff(self) -> Path:
+        return self.root / "diff"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {LABEL: self.name}
+
+    def link(self) -> str:
+        return (self.root / LINK_FILE).read_text().strip()
+
+    def ready(self) -> bool:
+        return (self.root / READY).is_file()
+
+    def entries(self) -> list[tuple[str, str]]:
+        """(type letter of ``find -printf %y``, path relative to the layer; ``.`` for its root)."""
+        raw = (self.root / ENTRIES).read_bytes().split(b"\0")
+        return [(e[:1].decode(), os.fsdecode(e[2:]) or ".") for e in raw if e]
+
+    def attach(self, inspect: dict[str, Any]) -> None:
+        """Put this layer at the head of a created (not started) container's lowers."""
+        lower_file = layer.upper_dir(inspect).parent / "lower"
+        entry = f"l/{self.link()}"
+        old = lower_file.read_text().strip()
+        if entry in old.split(":"):
+            return
+        tmp = lower_file.with_name(f".lower-{uuid.uuid4().hex[:8]}")
+        tmp.write_text(f"{entry}:{old}" if old else entry)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, lower_file)
+
+
+def lowers_root(docker_root: str | Path) -> Path:
+    return Path(docker_root) / LOWERS_DIR
+
+
+def of_container(inspect: dict[str, Any]) -> SharedLower | None:
+    """The shared lower a container was forked onto (its label), or None; ``LayerError``
+    if the label names a copy that is gone (its capture cannot be complete without it)."""
+    name = ((inspect.get("Config") or {}).get("Labels") or {}).get(LABEL)
+    if not name:
+        return None
+    if "/" in name or name.startswith("."):
+        raise layer.LayerError(f"label {LABEL}={name!r} names no shared layer")
+    upper = layer.upper_dir(inspect)  # <root>/overlay2/<id>/diff
+    shared = SharedLower(lowers_root(upper.parents[2]) / name)
+    if not shared.ready():
+        raise layer.LayerError(f"the shared layer {name} this fork runs on is gone from {shared.root}")
+    return shared
+
+
+@contextlib.contextmanager
+def lease(client: docker.DockerClient, ck: Checkpoint, docker_root: str | Path,
+          manifest: dict[str, Any], digest: str) -> Iterator[SharedLower | None]:
+    """The shared copy of ``ck``'s layer (made now, or one this process made before),
+    held against ``sweep`` while the caller creates its forks; None when the layer has
+    hardlinked files (see the module). ``LayerError`` if the layer disagrees with the manifest."""
+    base = lowers_root(docker_root)
+    base.mkdir(mode=0o700, exist_ok=True)
+    name = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', ck.id)[:80]}-{digest[:12]}~{owner_tag()}"
+    root = base / name
+    if name in _unshareable:
+        yield None
+        return
+    for _ in range(3):
+        with _creating:
+            if not (root / READY).is_file() and not (root / "unshareable").is_file():
+                _make(ck, root, manifest)
+        if (root / "unshareable").is_file():
+            _unshareable.add(name)
+            yield None
+            return
+        fd = _open_dir(root)
+        if fd is None:
+            continue  # swept between its making and our lock: make it again
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if (root / READY).is_file() and os.fstat(fd).st_ino == os.stat(root).st_ino:
+                yield SharedLower(root)
+                return
+        finally:
+            os.close(fd)
+    raise layer.LayerError(f"the shared copy {root} kept disappearing while forking (a concurrent gc?)")
+
+
+def _open_dir(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+
+
+def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any]) -> None:
+    """Unpack + verify ``ck``'s layer into a fresh directory, list it, link it, publish it
+    under ``root`` (rename), and mark it ready (last)."""
+    shutil.rmtree(root, ignore_errors=True)  # half made by this process before (an error)
+    tmp = root.with_name(f".new-{uuid.uuid4().hex[:12]}~{owner_tag()}")
+    tmp.mkdir(mode=0o700)
+    try:
+        (tmp / "diff").mkdir(mode=0o755)
+        layer.install(Path(ck.path) / "layer.tar", tmp / "diff", manifest["files"]["layer.tar"])
+        proc = subprocess.run(["find", str(tmp / "diff"), "-printf", r"%y %n %P\0"], capture_output=True)
+        if proc.returncode != 0:
+            raise layer.LayerError(f"listing {tmp / 'diff'} failed: {proc.stderr.decode(errors='replace')[-300:]}")
+        listing = [e for e in proc.stdout.split(b"\0") if e]
+        if any(e[:1] == b"f" and int(e.split(b" ", 2)[1]) > 1 for e in listing):
+            (tmp / "unshareable").write_text("hardlinked files\n")
+            shutil.rmtree(tmp / "diff")
+        else:
+            (tmp / ENTRIES).write_bytes(b"".join(e[:2] + e.split(b" ", 2)[2] + b"\0" for e in listing))
+            link = f"{LINK_PREFIX}{uuid.uuid4().hex[:19].upper()}"
+            (tmp / LINK_FILE).write_text(link)
+        os.rename(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if (root / LINK_FILE).is_file():
+        # Docker resolves each lower entry under its overlay2 home, and a link's target
+        # under overlay2/l (getLowerDirs): the target is relative to that directory
+        target = f"../../{LOWERS_DIR}/{root.name}/diff"
+        link_path = root.parent.parent / "overlay2" / "l" / (root / LINK_FILE).read_text()
+        os.symlink(target, link_path)
+        (root / READY).write_text("")
+
+
+def sweep(client: docker.DockerClient, docker_root: str | Path) -> list[str]:
+    """Remove every shared copy that no container uses and no fork is being made from,
+    with its link; and what a killed maker left. Returns the names removed."""
+    base = lowers_root(docker_root)
+    removed: list[str] = []
+    if not base.is_dir():
+        return removed
+    for root in sorted(base.iterdir()):
+        if root.name.startswith(".new-"):
+            if not owner_alive(root.name):
+                shutil.rmtree(root, ignore_errors=True)
+                removed.append(root.name)
+            continue
+        fd = _open_dir(root)
+        if fd is None:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue  # a fork is being made from it
+                raise
+            with translate_errors("list the forks of a shared layer"):
+                users = client.api.containers(all=True, filters={"label": f"{LABEL}={root.name}"})
+            if users:
+                continue
+            _remove(root)
+            removed.append(root.name)
+        finally:
+            os.close(fd)
+    link_dir = Path(docker_root) / "overlay2" / "l"
+    with contextlib.suppress(OSError):
+        for link in link_dir.glob(f"{LINK_PREFIX}*"):
+            if link.is_symlink() and not link.exists():  # its copy is gone (a killed sweep)
+                link.unlink(missing_ok=True)
+    return removed
+
+
+def _remove(root: Path) -> None:
+    with contextlib.suppress(OSError):
+        link = (root / LINK_FILE).read_text().strip()
+        if link.startswith(LINK_PREFIX):
+            (root.parent.parent / "overlay2" / "l" / link).unlink(missing_ok=True)
+    (root / READY).unlink(missing_ok=True)  # never used again, even if the removal stops halfway
+    dead = root.with_name(f".new-dead-{uuid.uuid4().hex[:8]}~{owner_tag()}")
+    try:
+        os.rename(root, dead)
+    except OSError:
+        dead = root
+    shutil.rmtree(dead, ignore_errors=True)
+
+
+def _kind(path: Path) -> str:
+    """``wh`` (overlay whiteout), ``opq`` (opaque directory), ``dir``, or ``other``."""
+    st = os.lstat(path)
+    if stat_mod.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+        return "wh"
+    if stat_mod.S_ISDIR(st.st_mode):
+        try:
+            return "opq" if os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y" else "dir"
+        except OSError:
+            return "dir"
+    return "other"
+
+
+def merged_lists(shared: SharedLower, upper: Path) -> tuple[list[str], list[str]]:
+    """The entries of the shared layer still visible under ``upper`` (a fork's upperdir,
+    or a copy of it), and every entry of ``upper``: together, the fork's whole layer."""
+    up: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(upper):
+        rel = os.path.relpath(dirpath, upper)
+        up[rel] = _kind(Path(dirpath)) if rel != "." else "dir"
+        for n in filenames:
+            p = n if rel == "." else f"{rel}/{n}"
+            up[p] = _kind(upper / p)
+        for n in list(dirnames):
+            p = n if rel == "." else f"{rel}/{n}"
+            if os.path.islink(upper / p):
+                up[p] = "other"
+    hides = {p for p, k in up.items() if k in ("wh", "other", "opq")}
+    lower: list[str] = []
+    for _, p in shared.entries():
+        if p in up:
+            continue  # replaced by the upper entry (a directory: its metadata wins, children merge)
+        parts = p.split("/")
+        if any("/".join(parts[:i]) in hides for i in range(1, len(parts))):
+            continue
+        lower.append(p)
+    return lower, sorted(up)
+
+
+def tar_merged(shared: SharedLower, upper: Path, fo: IO[bytes], scratch: Path,
+               max_bytes: int | None) -> tuple[int, str]:
+    """tar of the fork's whole layer (``merged_lists``) into ``fo``, hashing on the way:
+    what a checkpoint of a fork records."""
+    lower, up = merged_lists(shared, upper)
+    lists = []
+    for n, paths in (("lower", lower), ("upper", up)):
+        f = scratch / f"merged-{n}-{uuid.uuid4().hex[:8]}.list"
+        f.write_bytes(b"".join(os.fsencode("./" + p if p != "." else ".") + b"\0" for p in paths))
+        lists.append(f)
+    argv = ["tar", "--create", "--sparse", "--no-recursion", "--null", "--file=-", *layer.TAR_OPTS,
+            f"--directory={shared.diff.resolve()}", f"--files-from={lists[0]}",
+            f"--directory={upper.resolve()}", f"--files-from={lists[1]}"]  # -C before -T: positional
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        h, size = hashlib.sha256(), 0
+        while chunk := proc.stdout.read(CHUNK):
+            h.update(chunk)
+            fo.write(chunk)
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                proc.kill()
+                proc.wait()
+                raise layer.LayerTooLarge(f"the writable layer is larger than the checkpoint limit of {max_bytes} "
+                                          "bytes (CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        if proc.wait() != 0:
+            raise layer.LayerError(f"tar of the fork's layer (shared {shared.name} + {upper}) failed: {err.strip()[-500:]}")
+    finally:
+        for f in lists:
+            f.unlink(missing_ok=True)
+    return size, h.hexdigest()
+
+
+def tar_merged_from_tar(shared: SharedLower, upper_tar: Path, fo: IO[bytes], scratch: Path,
+                        max_bytes: int | None) -> tuple[int, str]:
+    """``tar_merged`` from a tar of the fork's upperdir (the ``paused`` capture's)."""
+    tree = scratch / f"upper-{uuid.uuid4().hex[:8]}"
+    tree.mkdir(mode=0o700)
+    try:
+        proc = subprocess.run(["tar", "--extract", f"--file={upper_tar}", f"--directory={tree}", *layer.TAR_OPTS,
+                               "--same-permissions", "--same-owner"], capture_output=True)
+        if proc.returncode != 0:
+            raise layer.LayerError(f"unpacking the fork's upperdir failed: {proc.stderr.decode(errors='replace')[-500:]}")
+        return tar_merged(shared, tree, fo, scratch, max_bytes)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
