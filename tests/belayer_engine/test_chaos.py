@@ -12,9 +12,11 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
+from belayer.errors import WorkerLost
 from belayer_engine.client import EngineClient
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
@@ -67,11 +69,39 @@ def handovers(engine) -> int:
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(tmp_path_factory):
     router = RouterConfig(stall_timeout_s=1.5, stall_probe_timeout_s=1.0)
-    with RecoverableEngine.launch(workers=1, shadow=True, router=router, unhealthy_window_s=0.5) as eng:
+    run_dir = tmp_path_factory.mktemp("chaos-engine")  # worker logs outlive the engine (failure reports)
+    with RecoverableEngine.launch(workers=1, shadow=True, router=router, unhealthy_window_s=0.5,
+                                  run_dir=str(run_dir)) as eng:
         eng.wait_ready(timeout=120)
         yield eng
+
+
+def _proc_state(pid: int) -> str:
+    """What the kernel says about ``pid``: run state and signal masks (or that it is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return f"pid {pid}: gone"
+    keep = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return f"pid {pid}: " + ", ".join(line.replace("\t", " ") for line in lines if line.split(":")[0] in keep)
+
+
+def _worker_log(engine, pid: int, n: int = 3000) -> str:
+    """The tail of the log of the worker or shadow that announced ``pid`` (in the engine's run_dir)."""
+    run_dir = Path(engine.supervisor_config.run_dir or "")
+    for log in sorted(run_dir.glob("w*-*.log")):
+        text = log.read_text(errors="replace")
+        if f'"pid": {pid},' in text:
+            return f"{log}:\n{text[-n:]}"
+    return f"no log in {run_dir} announced pid {pid}"
+
+
+def _diagnosis(engine, pid: int, t0: float) -> str:
+    events = [e for e in engine.events() if e["t"] >= t0 - 1]
+    return (f"{_proc_state(pid)}\nsupervisor events since the signal: {events}\n"
+            f"status: {engine.status()['slots']}\nworker log: {_worker_log(engine, pid)}")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +141,10 @@ def _signal_rounds(engine, baseline, rng: random.Random, schedule: list[signal.S
             assert finish == "length"
         if sig != signal.SIGINT:  # a clean exit may drain its streams before leaving
             assert any(s["recoveries"] >= 1 for _, s, _ in results), f"round {round_no}: no request was recovered"
-        handover = engine.wait_event("handover", since=t0, timeout=60)  # a clean exit may drain first
+        try:
+            handover = engine.wait_event("handover", since=t0, timeout=60)  # a clean exit may drain first
+        except WorkerLost as exc:
+            pytest.fail(f"round {round_no} ({sig.name} at token {trigger}): {exc}\n{_diagnosis(engine, pid, t0)}")
         engine.wait_ready(timeout=120)
         after = engine.status()["slots"]["w0"]
         detected = [e for e in engine.events() if e["event"] == "detected" and e["t"] >= t0]
