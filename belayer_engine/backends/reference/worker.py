@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -74,6 +75,9 @@ class WorkerApp:
         self.secret = secret
         self.hang_timeout_s = hang_timeout_s
         self.live: dict[str, Request] = {}
+        self.draining = False  # SIGINT: finish what runs, take nothing new
+        self._idle = asyncio.Event()  # set whenever ``live`` is empty (what a drain waits for)
+        self._idle.set()
         app = web.Application(client_max_size=64 << 20, middlewares=[self._auth])
         app.add_routes([
             web.post("/generate", self.generate),
@@ -98,6 +102,9 @@ class WorkerApp:
         return await handler(request)
 
     def _unavailable(self) -> web.Response | None:
+        if self.draining:  # only reachable over a kept-alive connection: the listener is closed
+            return web.json_response({"status": "draining", "error": {
+                "message": "worker is draining after SIGINT: not taking new requests"}}, status=503)
         if self.rt.state != "active":
             return web.json_response({"status": "shadow", "error": {
                 "message": "shadow worker: not serving until POST /belayer/activate"}}, status=503)
@@ -182,6 +189,7 @@ class WorkerApp:
         except UsageError as exc:
             return _error(400, str(exc))
         self.live[rid] = req
+        self._idle.clear()
         try:
             if not g.stream:
                 while (ev := await q.get())["finish_reason"] is None:
@@ -203,6 +211,8 @@ class WorkerApp:
             raise
         finally:
             self.live.pop(rid, None)
+            if not self.live:
+                self._idle.set()
 
     async def health(self, request: web.Request) -> web.Response:
         if (resp := self._unavailable()) is not None:
@@ -284,8 +294,17 @@ class WorkerApp:
                                   "weight_version": rt.weight_version, "device": str(rt.device),
                                   "arena_ok": rt.arena_ok})
 
+    async def drain(self, timeout: float) -> bool:
+        """Take no new request and wait (at most ``timeout``) until the running ones end;
+        True when none is left."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return not self.live
 
-DRAIN_S = 5.0
+
+DRAIN_S = 5.0  # a SIGINT'ed worker finishes its running requests for at most this long
+_CUT_S = 0.5  # then aiohttp gets this long to cancel what still runs and close the connections
 
 
 def run(args: argparse.Namespace) -> int:
@@ -300,11 +319,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
+    """Serve until SIGINT, then drain: close the listener, let running requests finish for
+    at most DRAIN_S, cut the rest (the router continues them on the shadow token by token),
+    stop the engine thread and return 0.
+
+    SIGINT is the loop's own handler, not asyncio.run's (which cancels this task): aiohttp's
+    graceful shutdown inside a cancelled task gives up at its first timeout and re-raises,
+    leaving the runner half torn down and the engine thread inside torch while the
+    interpreter exits ("terminate called without an active exception", exit -6, after up
+    to 2 x shutdown_timeout). The loop's handler also wakes the loop through its wakeup fd,
+    whichever thread the kernel delivered the signal to.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)  # before "ready": a caller may signal at once
     # handler_cancellation: a client gone away aborts its request, streamed or not.
-    # shutdown_timeout: on SIGINT running requests drain for at most this long (aiohttp's
-    # default is 60 s); what is still running then is cut, and the router continues it on
-    # the shadow token by token, so a clean exit never holds a slot for a minute.
-    runner = web.AppRunner(worker.app, access_log=None, handler_cancellation=True, shutdown_timeout=DRAIN_S)
+    runner = web.AppRunner(worker.app, access_log=None, handler_cancellation=True, shutdown_timeout=_CUT_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
@@ -312,10 +342,17 @@ async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
     print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(),
                       "state": worker.rt.state, "init_s": worker.rt.init_s}), flush=True)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        t0 = time.monotonic()
+        await site.stop()  # refuse new connections (the supervisor's probes fail from here on)
+        print(json.dumps({"event": "draining", "running": len(worker.live)}), flush=True)
+        drained = await worker.drain(DRAIN_S)
+        print(json.dumps({"event": "drained" if drained else "drain_cut", "cut": len(worker.live),
+                          "drain_s": round(time.monotonic() - t0, 3)}), flush=True)
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # cancels what still runs: its stream breaks, it is not finished
         worker.rt.close()
+    print(json.dumps({"event": "exit", "code": 0}), flush=True)
     return 0
 
 
