@@ -153,6 +153,7 @@ def _signal_rounds(engine, baseline, rng: random.Random, schedule: list[signal.S
         assert after["shadow_pid"] not in (None, pid, shadow_pid), "a fresh shadow must be re-armed"
         if sig == signal.SIGINT:  # it drained (it may be fenced before it exits: probes fail once it stops listening)
             assert '"event": "draining"' in _worker_log(engine, pid), _diagnosis(engine, pid, t0)
+            assert all(e["reason"] == "worker exited with 0" for e in detected if e["source"] == "exit"), detected
     paths = [e["path"] for e in engine.events() if e["event"] == "handover"]
     assert set(paths) == {"shadow"}
 

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import uuid
-from typing import Literal
+from typing import Literal, NoReturn
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -307,7 +307,7 @@ DRAIN_S = 5.0  # a SIGINT'ed worker finishes its running requests for at most th
 _CUT_S = 0.5  # then aiohttp gets this long to cancel what still runs and close the connections
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> NoReturn:
     cfg = FLAGS.build(args)
     owner.watch_owner(lambda: os._exit(1), death_signal=signal.SIGKILL)  # never outlive the engine
     secret = worker_auth.take_from_env()
@@ -315,7 +315,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {worker_auth.ENV} not set: every local user can use this worker", file=sys.stderr)
     rt = WorkerState(cfg.arena_socket, cfg.worker_id, cfg.shadow, cfg.threads,
                        cfg.max_running, cfg.max_prefill_tokens, tokenizer_dir=cfg.tokenizer_dir)
-    return asyncio.run(_serve(WorkerApp(rt, secret, cfg.hang_timeout_s), cfg))
+    code = asyncio.run(_serve(WorkerApp(rt, secret, cfg.hang_timeout_s), cfg))
+    # Listener, connections, engine thread and arena attachment are closed: leave without the
+    # interpreter's teardown (torch's takes seconds on a loaded machine, and a thread still
+    # inside torch can abort it), so the supervisor sees this clean exit promptly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
