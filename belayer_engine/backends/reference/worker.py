@@ -329,12 +329,14 @@ async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
     at most DRAIN_S, cut the rest (the router continues them on the shadow token by token),
     stop the engine thread and return 0.
 
-    SIGINT is the loop's own handler, not asyncio.run's (which cancels this task): aiohttp's
-    graceful shutdown inside a cancelled task gives up at its first timeout and re-raises,
-    leaving the runner half torn down and the engine thread inside torch while the
-    interpreter exits ("terminate called without an active exception", exit -6, after up
-    to 2 x shutdown_timeout). The loop's handler also wakes the loop through its wakeup fd,
-    whichever thread the kernel delivered the signal to.
+    SIGINT is the loop's own handler, not asyncio.run's: (1) asyncio.run installs none when
+    SIGINT was inherited ignored, as by every child of an engine started as a background job
+    of a shell script; such a worker ignored SIGINT and kept serving, so nothing replaced it.
+    (2) asyncio.run's handler cancels this task, and aiohttp's graceful shutdown inside a
+    cancelled task re-raises at its first timeout: the runner was left half torn down and
+    the engine thread inside torch while the interpreter exited ("terminate called without
+    an active exception", exit -6). The loop's handler also wakes the loop through its
+    wakeup fd, whichever thread the kernel delivered the signal to.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
