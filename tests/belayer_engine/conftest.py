@@ -96,9 +96,10 @@ class Arena(Proc):
 
 
 class Worker(Proc):
-    def __init__(self, arena: Arena, tmp: Path, *extra: str, name: str = "w"):
+    def __init__(self, arena: Arena, tmp: Path, *extra: str, name: str = "w", launcher: tuple[str, ...] = ()):
+        """``launcher``: interpreter arguments before ``-m`` (e.g. ``-c CODE`` that execs the worker)."""
         self.port = free_port()
-        super().__init__(["-m", "belayer_engine.backends.reference.worker", "--arena-socket", arena.socket,
+        super().__init__([*launcher, "-m", "belayer_engine.backends.reference.worker", "--arena-socket", arena.socket,
                           "--port", str(self.port), "--worker-id", name, *extra],
                          tmp / f"worker-{name}-{self.port}.log")
         poll(lambda: self._state_or_dead(), 60, f"worker {name} to answer /belayer/state")

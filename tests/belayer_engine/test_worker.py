@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import http.client
+import json
+import os
+import signal
+import subprocess
 import threading
 
 import pytest
@@ -208,3 +213,43 @@ def test_shadow_refuses_until_activated_then_serves_identically(tmp_path, procs,
     assert shadow.get("/health")[0] == 200
     assert [ids(shadow.generate(p, N, ignore_eos=True)) for p in PROMPTS] == reference
     assert shadow.post("/belayer/activate")[0] == 200  # idempotent
+
+
+# What a background job of a shell script (``cmd &`` without job control) gets, and so every
+# child of an engine started that way: SIGINT ignored, kept across exec.
+SIGINT_IGNORED = ("-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_sigint_drains_the_running_stream_and_exits_zero(tmp_path, procs, inherited):
+    """SIGINT mid-stream: the stream still ends complete and exact, then the worker exits 0 -
+    also when it inherited SIGINT ignored (it used to keep serving then: no drain, no exit, so
+    the supervisor never replaced it)."""
+    n = 48
+    want = greedy_generate(CFG, init_weights(CFG, 0), PROMPTS[1], n)
+    arena = Arena(tmp_path)
+    procs.append(arena)
+    w = Worker(arena, tmp_path, launcher=SIGINT_IGNORED if inherited == "ignored" else ())
+    procs.append(w)
+    conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=60)
+    conn.request("POST", "/generate", body=json.dumps({"input_ids": PROMPTS[1], "stream": True, "sampling_params": {
+        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}}))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    chunks, signalled = [], False
+    while line := resp.readline():
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            chunks.append(json.loads(line[len(b"data: "):]))
+            if not signalled:
+                os.kill(w.pid, signal.SIGINT)
+                signalled = True
+    conn.close()
+    assert chunks and chunks[-1]["output_ids"] == want, "the drained stream must end complete and exact"
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    try:
+        code = w.p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"worker still running 60 s after SIGINT:\n{w.output()}")
+    assert code == 0, w.output()
+    assert '"event": "draining"' in w.output() and '"event": "drained"' in w.output(), w.output()

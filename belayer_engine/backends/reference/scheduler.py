@@ -132,10 +132,14 @@ class BatchScheduler:
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop after its current step and wait (at most ``timeout``) for the thread:
+        an engine thread still inside torch while the interpreter exits can abort the process."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
     def capacity_check(self, req: Request) -> None:
         """Reject what can never fit (a clear 400 instead of waiting forever)."""

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
 import uuid
-from typing import Literal
+from typing import Literal, NoReturn
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -74,6 +75,9 @@ class WorkerApp:
         self.secret = secret
         self.hang_timeout_s = hang_timeout_s
         self.live: dict[str, Request] = {}
+        self.draining = False  # SIGINT: finish what runs, take nothing new
+        self._idle = asyncio.Event()  # set whenever ``live`` is empty (what a drain waits for)
+        self._idle.set()
         app = web.Application(client_max_size=64 << 20, middlewares=[self._auth])
         app.add_routes([
             web.post("/generate", self.generate),
@@ -98,6 +102,9 @@ class WorkerApp:
         return await handler(request)
 
     def _unavailable(self) -> web.Response | None:
+        if self.draining:  # only reachable over a kept-alive connection: the listener is closed
+            return web.json_response({"status": "draining", "error": {
+                "message": "worker is draining after SIGINT: not taking new requests"}}, status=503)
         if self.rt.state != "active":
             return web.json_response({"status": "shadow", "error": {
                 "message": "shadow worker: not serving until POST /belayer/activate"}}, status=503)
@@ -182,6 +189,7 @@ class WorkerApp:
         except UsageError as exc:
             return _error(400, str(exc))
         self.live[rid] = req
+        self._idle.clear()
         try:
             if not g.stream:
                 while (ev := await q.get())["finish_reason"] is None:
@@ -203,6 +211,8 @@ class WorkerApp:
             raise
         finally:
             self.live.pop(rid, None)
+            if not self.live:
+                self._idle.set()
 
     async def health(self, request: web.Request) -> web.Response:
         if (resp := self._unavailable()) is not None:
@@ -284,11 +294,20 @@ class WorkerApp:
                                   "weight_version": rt.weight_version, "device": str(rt.device),
                                   "arena_ok": rt.arena_ok})
 
+    async def drain(self, timeout: float) -> bool:
+        """Take no new request and wait (at most ``timeout``) until the running ones end;
+        True when none is left."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return not self.live
 
-DRAIN_S = 5.0
+
+DRAIN_S = 5.0  # a SIGINT'ed worker finishes its running requests for at most this long
+_CUT_S = 0.5  # then aiohttp gets this long to cancel what still runs and close the connections
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> NoReturn:
     cfg = FLAGS.build(args)
     owner.watch_owner(lambda: os._exit(1), death_signal=signal.SIGKILL)  # never outlive the engine
     secret = worker_auth.take_from_env()
@@ -296,15 +315,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {worker_auth.ENV} not set: every local user can use this worker", file=sys.stderr)
     rt = WorkerState(cfg.arena_socket, cfg.worker_id, cfg.shadow, cfg.threads,
                        cfg.max_running, cfg.max_prefill_tokens, tokenizer_dir=cfg.tokenizer_dir)
-    return asyncio.run(_serve(WorkerApp(rt, secret, cfg.hang_timeout_s), cfg))
+    code = asyncio.run(_serve(WorkerApp(rt, secret, cfg.hang_timeout_s), cfg))
+    # Listener, connections, engine thread and arena attachment are closed: leave without the
+    # interpreter's teardown (torch's takes seconds on a loaded machine, and a thread still
+    # inside torch can abort it), so the supervisor sees this clean exit promptly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
+    """Serve until SIGINT, then drain: close the listener, let running requests finish for
+    at most DRAIN_S, cut the rest (the router continues them on the shadow token by token),
+    stop the engine thread and return 0.
+
+    SIGINT is the loop's own handler, not asyncio.run's: (1) asyncio.run installs none when
+    SIGINT was inherited ignored, as by every child of an engine started as a background job
+    of a shell script; such a worker ignored SIGINT and kept serving, so nothing replaced it.
+    (2) asyncio.run's handler cancels this task, and aiohttp's graceful shutdown inside a
+    cancelled task re-raises at its first timeout: the runner was left half torn down and
+    the engine thread inside torch while the interpreter exited ("terminate called without
+    an active exception", exit -6). The loop's handler also wakes the loop through its
+    wakeup fd, whichever thread the kernel delivered the signal to.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)  # before "ready": a caller may signal at once
     # handler_cancellation: a client gone away aborts its request, streamed or not.
-    # shutdown_timeout: on SIGINT running requests drain for at most this long (aiohttp's
-    # default is 60 s); what is still running then is cut, and the router continues it on
-    # the shadow token by token, so a clean exit never holds a slot for a minute.
-    runner = web.AppRunner(worker.app, access_log=None, handler_cancellation=True, shutdown_timeout=DRAIN_S)
+    runner = web.AppRunner(worker.app, access_log=None, handler_cancellation=True, shutdown_timeout=_CUT_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
@@ -312,10 +350,17 @@ async def _serve(worker: WorkerApp, cfg: WorkerConfig) -> int:
     print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(),
                       "state": worker.rt.state, "init_s": worker.rt.init_s}), flush=True)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        t0 = time.monotonic()
+        await site.stop()  # refuse new connections (the supervisor's probes fail from here on)
+        print(json.dumps({"event": "draining", "running": len(worker.live)}), flush=True)
+        drained = await worker.drain(DRAIN_S)
+        print(json.dumps({"event": "drained" if drained else "drain_cut", "cut": len(worker.live),
+                          "drain_s": round(time.monotonic() - t0, 3)}), flush=True)
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # cancels what still runs: its stream breaks, it is not finished
         worker.rt.close()
+    print(json.dumps({"event": "exit", "code": 0}), flush=True)
     return 0
 
 
