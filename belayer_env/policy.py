@@ -10,6 +10,7 @@ the durations the env reports, so the policy needs no tuning per workload.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
@@ -108,6 +109,41 @@ def memory_fits(memory_bytes: int, available_bytes: int | None, reserve_bytes: i
     return available_bytes is not None and available_bytes - memory_bytes >= reserve_bytes
 
 
+class PolicyEstimates:
+    """What an adaptive policy learns from measurements: failure counts and timing averages.
+
+    Every env has its own policy, and an env often lives one episode: a handful of steps,
+    far too few to learn a failure rate of a few percent or what a capture costs. The envs
+    of one workload (one training run) can share one ``PolicyEstimates`` instead
+    (``AdaptivePolicy(estimates=...)``), so that each new env starts from what the earlier
+    ones measured. Thread-safe: envs run on threads of their own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.failures = 0
+        self.readies = 0  # checkpoints that became ready (their spacing: a standby's lifetime)
+        self.capture_s: float | None = None
+        self.generation_s: float | None = None
+        self.wait_s: float | None = None  # measured visible cost of a capture
+        self.standby_prepare_s: float | None = None
+
+    def count(self, *, steps: int = 0, failures: int = 0, readies: int = 0) -> None:
+        with self._lock:
+            self.steps += steps
+            self.failures += failures
+            self.readies += readies
+
+    def update(self, name: str, sample: float, smoothing: float, prior: float | None = None) -> None:
+        """Moving average ``name`` with ``sample`` (from ``prior`` when there is none yet;
+        without a prior the first sample replaces it)."""
+        with self._lock:
+            old = getattr(self, name)
+            old = prior if old is None else old
+            setattr(self, name, sample if old is None else old + smoothing * (sample - old))
+
+
 class AdaptivePolicyConfig(StrictModel):
     """Priors (used until there is data) and the knobs of the adaptive rule."""
 
@@ -145,19 +181,24 @@ class AdaptivePolicy:
     """Checkpoint at k iff p_fail x regen_cost(since last ready) > capture - generation."""
 
     def __init__(self, config: AdaptivePolicyConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, **overrides: float | str):
+                 clock: Callable[[], float] = time.monotonic, *, estimates: PolicyEstimates | None = None,
+                 **overrides: float | str):
         self.config = AdaptivePolicyConfig.merged(config or AdaptivePolicyConfig(), overrides)
         self.clock = clock
-        self.steps = 0
-        self.failures = 0
-        self.capture_s: float | None = None
-        self.generation_s: float | None = None
-        self.wait_s: float | None = None  # measured visible cost of a capture
+        self.estimates = estimates or PolicyEstimates()
+        """Failure counts and timings: this env's own, or shared with the envs of one workload."""
         self.cooldown_until = float("-inf")
         self._cost_by_step: list[float] = []  # regeneration cost of each committed step
         self._ready_step = 0
-        self.standby_prepare_s: float | None = None
-        self.readies = 0  # checkpoints that became ready (their spacing: a standby's lifetime)
+
+    # what was learned lives in ``estimates`` (possibly shared): read-only views
+    steps = property(lambda self: self.estimates.steps)
+    failures = property(lambda self: self.estimates.failures)
+    readies = property(lambda self: self.estimates.readies)
+    capture_s = property(lambda self: self.estimates.capture_s)
+    generation_s = property(lambda self: self.estimates.generation_s)
+    wait_s = property(lambda self: self.estimates.wait_s)
+    standby_prepare_s = property(lambda self: self.estimates.standby_prepare_s)
 
     # ------------------------------------------------------------------ estimates
 
@@ -209,7 +250,7 @@ class AdaptivePolicy:
         return self.failure_probability * lifetime_steps * saving >= c.standby_cpu_weight * prepare
 
     def observe_standby(self, prepare_s: float) -> None:
-        self.standby_prepare_s = self._ema(self.standby_prepare_s, max(0.0, prepare_s))
+        self.estimates.update("standby_prepare_s", max(0.0, prepare_s), self.config.smoothing)
 
     def late_wait_s(self, elapsed_s: float) -> float:
         left = max(0.0, self.config.capture_timeout_s - elapsed_s)
@@ -222,31 +263,28 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ observations
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.config.smoothing * (new - old)
-
     def observe_step(self, exec_s: float, gen_s: float) -> None:
-        self.steps += 1
+        self.estimates.count(steps=1)
         self._cost_by_step.append(max(0.0, exec_s) + max(0.0, gen_s))
-        self.generation_s = self._ema(self.generation_s, max(0.0, gen_s))
+        self.estimates.update("generation_s", max(0.0, gen_s), self.config.smoothing)
 
     def observe_failure(self) -> None:
-        self.steps += 1
-        self.failures += 1
+        self.estimates.count(steps=1, failures=1)
 
     def observe_wait(self, wait_s: float) -> None:
-        self.wait_s = self._ema(self.wait_s, max(0.0, wait_s))
+        self.estimates.update("wait_s", max(0.0, wait_s), self.config.smoothing)
 
     def observe_capture(self, total_s: float, frozen_s: float) -> None:
-        self.capture_s = self._ema(self.capture_s, max(0.0, total_s))
+        self.estimates.update("capture_s", max(0.0, total_s), self.config.smoothing)
 
     def observe_capture_failed(self, timed_out: bool) -> None:
         self.cooldown_until = self.clock() + self.config.cooldown_s
         if timed_out:  # the capture cost at least the whole budget
-            self.capture_s = self._ema(self.predicted_capture_s, self.config.capture_timeout_s)
+            self.estimates.update("capture_s", self.config.capture_timeout_s, self.config.smoothing,
+                                  prior=self.config.capture_s)
 
     def observe_ready(self, step: int) -> None:
-        self.readies += 1
+        self.estimates.count(readies=1)
         self._ready_step = max(self._ready_step, min(step, len(self._cost_by_step)))
 
     def observe_rollback(self, to_step: int) -> None:

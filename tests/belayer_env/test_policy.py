@@ -10,6 +10,7 @@ from belayer_env.policy import (
     AlwaysPolicy,
     CheckpointPolicy,
     NeverPolicy,
+    PolicyEstimates,
     make_policy,
 )
 
@@ -160,3 +161,31 @@ def test_measured_wait_for_thaw_is_a_visible_cost():
     p.observe_wait(0.4)  # ...but the next step really waited 0.4 s for the thaw
     assert p.visible_cost_s() == pytest.approx(0.4)
     assert not p.should_checkpoint(3)  # 0.01 x 6 s at risk < 0.4 s
+
+
+def test_envs_of_one_workload_share_what_they_learned():
+    # one env lives one episode (a few steps): alone it never learns a 25 % failure rate
+    shared = PolicyEstimates()
+    first = AdaptivePolicy(estimates=shared, failure_rate=0.01, prior_steps=100)
+    for _ in range(100):
+        first.observe_step(exec_s=1.0, gen_s=2.0)
+        first.observe_failure()
+    first.observe_capture(total_s=0.5, frozen_s=0.1)
+    alone = AdaptivePolicy(failure_rate=0.01, prior_steps=100)
+    later = AdaptivePolicy(estimates=shared, failure_rate=0.01, prior_steps=100)
+    assert later.failure_probability == pytest.approx(101 / 300)
+    assert alone.failure_probability == pytest.approx(0.01)
+    assert later.capture_s == 0.5 and later.generation_s == 2.0  # measured, not the priors
+    # per-env state stays per env: the later env has nothing at risk yet
+    assert later.regeneration_cost_s() == 0.0 and first.regeneration_cost_s() > 0.0
+
+
+def test_shared_capture_measurement_ends_exploration_for_later_envs():
+    shared = PolicyEstimates()
+    first = AdaptivePolicy(estimates=shared, capture_s=100.0)
+    first.observe_step(0.1, 0.1)
+    assert first.should_checkpoint(1)  # nothing measured yet: explore
+    first.observe_capture(total_s=100.0, frozen_s=0.1)
+    later = AdaptivePolicy(estimates=shared, capture_s=100.0)
+    later.observe_step(0.1, 0.1)
+    assert not later.should_checkpoint(1)  # measured by the first env, and really too slow
