@@ -288,6 +288,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _recover(self, error: InfraError, k: int) -> tuple[str, float, bool, bool, dict]:
         """Fence, restore boundary j <= k, roll the trajectory back; never retry the action."""
+        detected = time.monotonic()
         self.policy.observe_failure()
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
         self._fence()
@@ -317,7 +318,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self.sandbox, j = restored
         self.checkpointer.discard_after(j)
         self.policy.observe_rollback(j)
-        self.trajectory.rollback(j, at_step=k, error=error)
+        self.trajectory.rollback(j, at_step=k, error=error, recovery_s=time.monotonic() - detected)
         self._last_return = time.monotonic()
         observation = self.trajectory.observation_at(j)
         info = {"belayer": {"step": j, "rollback": {"to_step": j, "reason": type(error).__name__}}}

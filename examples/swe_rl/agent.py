@@ -60,6 +60,13 @@ def _env_events(env: gym.Env, since: int) -> list[dict]:
              **({"error": f"{e.error}: {(e.message or '')[:160]}"} if e.error else {})} for e in events[since:] if e.kind != "rollback"]
 
 
+def _recovery_s(env: gym.Env) -> float:
+    """Fence + restore time of the env's latest rollback (0 when the env does not say)."""
+    events = getattr(getattr(env.unwrapped, "trajectory", None), "events", [])
+    last = next((e for e in reversed(events) if e.kind == "rollback"), None)
+    return (last.recovery_s or 0.0) if last is not None else 0.0
+
+
 class _Active:
     """How many episodes (sandboxes) are running at once: the load a rollback happened under."""
 
@@ -131,18 +138,18 @@ def _run_episode(env: gym.Env, client: openai.OpenAI, task: Task, cfg: AgentConf
             if rollback:  # the env restored boundary j and chat cut its messages to match
                 k, j, now = len(turns) - 1, chat.boundary, time.monotonic()
                 lost = now - reached[j]  # work after boundary j, the failed step and its recovery
-                # without Belayer: everything since the episode's attempt began, then a fresh
-                # sandbox and the task's setup again (as long as this episode's own reset took);
-                # detecting the fault and fencing the dead sandbox are left out (conservative:
-                # Belayer's side counts them)
-                lost_without = called - from_scratch + reset_s
+                # without Belayer: everything since the episode's attempt began, up to the
+                # fault's detection (the failed step ran that long in both worlds), then a fresh
+                # sandbox and the task's setup again (as long as this episode's own reset took)
+                lost_without = now - _recovery_s(env) - from_scratch + reset_s
                 episode.lost_s += lost
                 episode.lost_s_without += lost_without
                 events = _env_events(env, seen_events)
                 seen_events = len(env.unwrapped.trajectory.events) if hasattr(env.unwrapped, "trajectory") else 0
                 record = {"fault_step": k + 1, "to_step": j, "lost_s": round(lost, 3),
                           "lost_s_without": round(lost_without, 3), "since_boundary_s": round(called - done_at[j], 3),
-                          "step_call_s": round(now - called, 3), "reset_s": round(reset_s, 3),
+                          "step_call_s": round(now - called, 3), "recovery_s": round(_recovery_s(env), 3),
+                          "reset_s": round(reset_s, 3),
                           "active_episodes": ACTIVE.n, "env_events": events,
                           "reason": rollback["reason"]}
                 episode.rollbacks.append(record)
