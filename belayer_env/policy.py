@@ -52,6 +52,10 @@ class CheckpointPolicy(Protocol):
     def observe_ready(self, step: int) -> None:
         """The checkpoint of ``step`` is ready: regeneration cost restarts from there."""
 
+    def observe_reset(self, reset_s: float) -> None:
+        """A new episode's boundary 0 (fresh sandbox + setup) took ``reset_s``: what a failure
+        before any checkpoint costs on top of the steps (boundary 0 may be checkpointed too)."""
+
     def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
         """Keep a standby (the newest checkpoint pre-restored, frozen) costing ``memory_bytes``
         while the host has ``available_bytes`` (None: unknown)?"""
@@ -76,6 +80,7 @@ class NeverPolicy:
     def observe_capture_failed(self, timed_out: bool) -> None: ...
     def observe_rollback(self, to_step: int) -> None: ...
     def observe_ready(self, step: int) -> None: ...
+    def observe_reset(self, reset_s: float) -> None: ...
     def observe_standby(self, prepare_s: float) -> None: ...
 
     def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
@@ -190,6 +195,8 @@ class AdaptivePolicy:
         self.cooldown_until = float("-inf")
         self._cost_by_step: list[float] = []  # regeneration cost of each committed step
         self._ready_step = 0
+        self._reset_s: float | None = None  # boundary 0's cost (a fresh sandbox + setup), if told
+        self._zero_ready = False  # a checkpoint of boundary 0 is ready: a failure keeps the setup
 
     # what was learned lives in ``estimates`` (possibly shared): read-only views
     steps = property(lambda self: self.estimates.steps)
@@ -216,8 +223,10 @@ class AdaptivePolicy:
         return self.config.generation_s if self.generation_s is None else self.generation_s
 
     def regeneration_cost_s(self) -> float:
-        """Seconds of generation + execution a failure now would throw away."""
-        return sum(self._cost_by_step[self._ready_step:])
+        """Seconds of generation + execution a failure now would throw away (and, with no
+        checkpoint ready at all, the fresh sandbox and setup that boundary 0 cost)."""
+        setup = (self._reset_s or 0.0) if self._ready_step == 0 and not self._zero_ready else 0.0
+        return setup + sum(self._cost_by_step[self._ready_step:])
 
     def expected_saving_s(self) -> float:
         return self.failure_probability * self.regeneration_cost_s()
@@ -231,8 +240,10 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ decisions
 
     def should_checkpoint(self, step: int) -> bool:
-        if step <= self._ready_step or self.clock() < self.cooldown_until:
+        if step < self._ready_step or self.clock() < self.cooldown_until:
             return False
+        if step == self._ready_step and (step > 0 or self._zero_ready or self._reset_s is None):
+            return False  # ready already (boundary 0: only when the env reports what it cost)
         if self.capture_s is None and self.config.explore:
             return True  # one capture to measure what a capture costs here; priors only guess
         return self.expected_saving_s() > self.visible_cost_s()
@@ -286,6 +297,10 @@ class AdaptivePolicy:
     def observe_ready(self, step: int) -> None:
         self.estimates.count(readies=1)
         self._ready_step = max(self._ready_step, min(step, len(self._cost_by_step)))
+        self._zero_ready = self._zero_ready or step == 0
+
+    def observe_reset(self, reset_s: float) -> None:
+        self._reset_s, self._zero_ready = max(0.0, reset_s), False
 
     def observe_rollback(self, to_step: int) -> None:
         del self._cost_by_step[to_step:]

@@ -109,8 +109,9 @@ def _run_episode(env: gym.Env, client: openai.OpenAI, task: Task, cfg: AgentConf
         turns: list[Turn] = []
         ready = time.monotonic()
         reset_s = ready - started  # what a restart from scratch costs: fresh sandbox + setup
-        # reached[j]: since when a rollback to j throws work away. A rollback to 0 discards
-        # the sandbox's creation and setup too, so boundary 0 counts from the reset's start
+        # reached[j]: since when a rollback to j throws work away. A rollback to 0 onto a fresh
+        # sandbox discards the sandbox's creation and setup too: boundary 0 counts from the
+        # reset's start (from its end when boundary 0's checkpoint is restored)
         reached = [started]
         done_at = [ready]  # done_at[j]: when boundary j was reached on the current branch
         from_scratch = started  # without Belayer: when the episode's current attempt began
@@ -137,7 +138,9 @@ def _run_episode(env: gym.Env, client: openai.OpenAI, task: Task, cfg: AgentConf
             rollback = info.get("belayer", {}).get("rollback")
             if rollback:  # the env restored boundary j and chat cut its messages to match
                 k, j, now = len(turns) - 1, chat.boundary, time.monotonic()
-                lost = now - reached[j]  # work after boundary j, the failed step and its recovery
+                # boundary 0 restored from its checkpoint keeps the setup; a fresh one does not
+                kept_setup = j == 0 and getattr(env.unwrapped.sandbox, "restored_from", None) is not None
+                lost = now - (done_at[0] if kept_setup else reached[j])  # work after j, the failed step, recovery
                 # without Belayer: everything since the episode's attempt began, up to the
                 # fault's detection (the failed step ran that long in both worlds), then a fresh
                 # sandbox and the task's setup again (as long as this episode's own reset took)

@@ -189,3 +189,24 @@ def test_shared_capture_measurement_ends_exploration_for_later_envs():
     later = AdaptivePolicy(estimates=shared, capture_s=100.0)
     later.observe_step(0.1, 0.1)
     assert not later.should_checkpoint(1)  # measured by the first env, and really too slow
+
+
+def test_boundary_zero_is_checkpointed_only_when_its_setup_cost_is_known_and_worth_it():
+    p = AdaptivePolicy(capture_s=0.5, generation_s=2.0, failure_rate=0.05, explore=False)
+    assert not p.should_checkpoint(0)  # no reset reported: nothing known at risk
+    p.observe_reset(4.0)  # a fresh sandbox + setup took 4 s
+    assert p.regeneration_cost_s() == pytest.approx(4.0)  # a failure now redoes the setup
+    assert p.should_checkpoint(0)  # 0.05 x 4 s > 0 s visible (the capture hides in generation)
+    p.observe_ready(0)
+    assert not p.should_checkpoint(0) and p.regeneration_cost_s() == 0.0
+    p.observe_step(exec_s=1.0, gen_s=2.0)
+    assert p.regeneration_cost_s() == pytest.approx(3.0)  # the setup is safe in checkpoint 0
+    p.observe_reset(4.0)  # a new episode: nothing of it is checkpointed
+    p.observe_rollback(0)
+    assert p.regeneration_cost_s() == pytest.approx(4.0)
+
+
+def test_a_slow_capture_is_not_taken_for_a_cheap_setup():
+    p = AdaptivePolicy(capture_s=10.0, generation_s=1.0, failure_rate=0.05, prior_steps=1e9, explore=False)
+    p.observe_reset(2.0)
+    assert not p.should_checkpoint(0)  # 0.05 x 2 s < 9 s visible
