@@ -134,6 +134,13 @@ class PolicyEstimates:
         self.wait_s: float | None = None  # measured visible cost of a capture
         self.standby_prepare_s: float | None = None
 
+    def __deepcopy__(self, memo: dict) -> PolicyEstimates:
+        """An independent copy of the figures (a forked env's policy is a deep copy)."""
+        copy = PolicyEstimates()
+        with self._lock:
+            copy.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_lock"})
+        return copy
+
     def count(self, *, steps: int = 0, failures: int = 0, readies: int = 0) -> None:
         with self._lock:
             self.steps += steps

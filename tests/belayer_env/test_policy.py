@@ -210,3 +210,17 @@ def test_a_slow_capture_is_not_taken_for_a_cheap_setup():
     p = AdaptivePolicy(capture_s=10.0, generation_s=1.0, failure_rate=0.05, prior_steps=1e9, explore=False)
     p.observe_reset(2.0)
     assert not p.should_checkpoint(0)  # 0.05 x 2 s < 9 s visible
+
+
+def test_a_deep_copy_is_independent():
+    # env.fork(n) deep-copies the parent's policy: the figures are copied, not shared
+    import copy
+
+    p = AdaptivePolicy(capture_s=0.4)
+    p.observe_step(exec_s=1.0, gen_s=2.0)
+    p.observe_failure()
+    child = copy.deepcopy(p)
+    assert (child.steps, child.failures, child.generation_s) == (2, 1, 2.0)
+    child.observe_failure()
+    assert (p.failures, child.failures) == (1, 2)
+    assert child.regeneration_cost_s() == p.regeneration_cost_s() == pytest.approx(3.0)
