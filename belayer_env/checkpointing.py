@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,8 @@ from belayer_env.sandbox import DockerSandbox
 CANCEL_THAW_S = 10.0
 PRESTAGE_STOP_S = 30.0
 LIVENESS_EVERY_S = 0.5
+STANDBY_WATCH_S = 120.0
+"""How long a capture is watched for its publication, to start the standby at once."""
 Recorder = Callable[..., Any]  # Trajectory.record
 
 
@@ -42,6 +45,7 @@ class Checkpointer:
         self.policy = policy
         self.use_standby = standby
         self.standby: Standby | None = None
+        self._standby_lock = threading.RLock()
         """The newest checkpoint pre-restored and frozen (``standby=True`` and the policy agrees)."""
         self.record = record
         self.runtime = runtime
@@ -73,7 +77,22 @@ class Checkpointer:
         self._pending_step, self._pending_started = step, time.monotonic()
         self._pending_sandbox = sandbox
         self._waited_for = False
+        if self.use_standby:
+            threading.Thread(target=self._standby_when_published, args=(self._pending,), daemon=True,
+                             name=f"belayer-standby-watch-{step}").start()
         return True
+
+    def _standby_when_published(self, pending: PendingCheckpoint) -> None:
+        """Start the standby as soon as the capture is published, not when the env next
+        looks (the next step's start): a fault in that very step would otherwise find the
+        standby's restore just begun and wait for all of it."""
+        try:
+            ckpt = pending.wait(timeout=STANDBY_WATCH_S)
+        except Exception:  # noqa: BLE001 - failed or still running: the env's poll reports it
+            return
+        with self._standby_lock:
+            if ckpt is not None and self._pending is pending and self._client is not None:
+                self._prepare_standby_now(ckpt)  # not collected, cancelled or reset meanwhile
 
     def before_step(self, step: int) -> None:
         """Step ``step + 1`` is about to run: the sandbox must not be frozen any more.
@@ -154,6 +173,12 @@ class Checkpointer:
         a standby of an older checkpoint is discarded either way (it would roll back further)."""
         if not self.use_standby or self._client is None:
             return
+        with self._standby_lock:
+            if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
+                return  # prepared as soon as it was published (``_standby_when_published``)
+            self._prepare_standby_now(ckpt)
+
+    def _prepare_standby_now(self, ckpt: Checkpoint) -> None:
         if self.standby is None:
             self.standby = Standby(self._client, phase_hook=self.hooks)
         if self.standby.ready() and self.standby.prepare_s is not None:

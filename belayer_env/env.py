@@ -2,8 +2,8 @@
 
 One bash command per step, mini-swe-agent style. When step k+1 hits an infrastructure
 failure, the effects of that action are unknowable, so it is never retried: the env fences
-the dead sandbox, restores the newest ready checkpoint j <= k (or the initial state, j = 0:
-a fresh sandbox plus the task's setup) and returns the observation of boundary j with
+the dead sandbox, restores the newest ready checkpoint j <= k (boundary 0's own when the
+policy took one, else the initial state, j = 0: a fresh sandbox plus the task's setup) and returns the observation of boundary j with
 ``info["belayer"]["rollback"] = {"to_step": j, "reason": ...}``. The agent rolls its context
 back to prefix j and regenerates from there. Infra error text never reaches an observation;
 it is kept, labelled, in ``env.trajectory``.
@@ -137,6 +137,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict]:
         super().reset(seed=seed)
+        started = time.monotonic()
         opts = ResetOptions.parse(options)  # before anything is torn down: a bad option changes nothing
         self._own_exits = {}
         self._done = True  # until the new sandbox is ready
@@ -156,6 +157,10 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                 if attempt + 1 == self.config.recovery_attempts:
                     raise
         self._done = False
+        observe_reset = getattr(self.policy, "observe_reset", None)  # a policy of an older protocol may lack it
+        if observe_reset is not None:
+            observe_reset(time.monotonic() - started)
+        self.checkpointer.after_step(self.sandbox, 0)  # boundary 0, if the policy finds it worth it
         self._last_return = time.monotonic()
         return self.trajectory.task, {"belayer": {"step": 0}}
 
@@ -288,6 +293,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _recover(self, error: InfraError, k: int) -> tuple[str, float, bool, bool, dict]:
         """Fence, restore boundary j <= k, roll the trajectory back; never retry the action."""
+        detected = time.monotonic()
         self.policy.observe_failure()
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
         self._fence()
@@ -295,7 +301,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
             # checkpoints restore under this name, so only boundary 0, under a new name, is left
             self._record("restore_failed", at_step=k, error=SandboxLost(f"cannot fence {self.name}"))
-            self.checkpointer.discard_after(0)
+            self.checkpointer.discard_after(-1)  # a checkpoint of boundary 0 would restore under it too
             self.name = self._new_name()
         last: InfraError = error
         restored: tuple[DockerSandbox, int] | None = None
@@ -317,7 +323,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self.sandbox, j = restored
         self.checkpointer.discard_after(j)
         self.policy.observe_rollback(j)
-        self.trajectory.rollback(j, at_step=k, error=error)
+        self.trajectory.rollback(j, at_step=k, error=error, recovery_s=time.monotonic() - detected)
         self._last_return = time.monotonic()
         observation = self.trajectory.observation_at(j)
         info = {"belayer": {"step": j, "rollback": {"to_step": j, "reason": type(error).__name__}}}

@@ -10,6 +10,7 @@ the durations the env reports, so the policy needs no tuning per workload.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
@@ -51,6 +52,10 @@ class CheckpointPolicy(Protocol):
     def observe_ready(self, step: int) -> None:
         """The checkpoint of ``step`` is ready: regeneration cost restarts from there."""
 
+    def observe_reset(self, reset_s: float) -> None:
+        """A new episode's boundary 0 (fresh sandbox + setup) took ``reset_s``: what a failure
+        before any checkpoint costs on top of the steps (boundary 0 may be checkpointed too)."""
+
     def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
         """Keep a standby (the newest checkpoint pre-restored, frozen) costing ``memory_bytes``
         while the host has ``available_bytes`` (None: unknown)?"""
@@ -75,6 +80,7 @@ class NeverPolicy:
     def observe_capture_failed(self, timed_out: bool) -> None: ...
     def observe_rollback(self, to_step: int) -> None: ...
     def observe_ready(self, step: int) -> None: ...
+    def observe_reset(self, reset_s: float) -> None: ...
     def observe_standby(self, prepare_s: float) -> None: ...
 
     def wants_standby(self, memory_bytes: int, available_bytes: int | None) -> bool:
@@ -106,6 +112,48 @@ STANDBY_ROLLBACK_S = 0.05
 def memory_fits(memory_bytes: int, available_bytes: int | None, reserve_bytes: int) -> bool:
     """Unknown availability counts as short: a standby is an optimisation, never a risk."""
     return available_bytes is not None and available_bytes - memory_bytes >= reserve_bytes
+
+
+class PolicyEstimates:
+    """What an adaptive policy learns from measurements: failure counts and timing averages.
+
+    Every env has its own policy, and an env often lives one episode: a handful of steps,
+    far too few to learn a failure rate of a few percent or what a capture costs. The envs
+    of one workload (one training run) can share one ``PolicyEstimates`` instead
+    (``AdaptivePolicy(estimates=...)``), so that each new env starts from what the earlier
+    ones measured. Thread-safe: envs run on threads of their own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.failures = 0
+        self.readies = 0  # checkpoints that became ready (their spacing: a standby's lifetime)
+        self.capture_s: float | None = None
+        self.generation_s: float | None = None
+        self.wait_s: float | None = None  # measured visible cost of a capture
+        self.standby_prepare_s: float | None = None
+
+    def __deepcopy__(self, memo: dict) -> PolicyEstimates:
+        """An independent copy of the figures (a forked env's policy is a deep copy)."""
+        copy = PolicyEstimates()
+        with self._lock:
+            copy.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_lock"})
+        return copy
+
+    def count(self, *, steps: int = 0, failures: int = 0, readies: int = 0) -> None:
+        with self._lock:
+            self.steps += steps
+            self.failures += failures
+            self.readies += readies
+
+    def update(self, name: str, sample: float, smoothing: float, prior: float | None = None) -> None:
+        """Moving average ``name`` with ``sample`` (from ``prior`` when there is none yet;
+        without a prior the first sample replaces it)."""
+        with self._lock:
+            old = getattr(self, name)
+            old = prior if old is None else old
+            setattr(self, name, sample if old is None else old + smoothing * (sample - old))
 
 
 class AdaptivePolicyConfig(StrictModel):
@@ -145,19 +193,26 @@ class AdaptivePolicy:
     """Checkpoint at k iff p_fail x regen_cost(since last ready) > capture - generation."""
 
     def __init__(self, config: AdaptivePolicyConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, **overrides: float | str):
+                 clock: Callable[[], float] = time.monotonic, *, estimates: PolicyEstimates | None = None,
+                 **overrides: float | str):
         self.config = AdaptivePolicyConfig.merged(config or AdaptivePolicyConfig(), overrides)
         self.clock = clock
-        self.steps = 0
-        self.failures = 0
-        self.capture_s: float | None = None
-        self.generation_s: float | None = None
-        self.wait_s: float | None = None  # measured visible cost of a capture
+        self.estimates = estimates or PolicyEstimates()
+        """Failure counts and timings: this env's own, or shared with the envs of one workload."""
         self.cooldown_until = float("-inf")
         self._cost_by_step: list[float] = []  # regeneration cost of each committed step
         self._ready_step = 0
-        self.standby_prepare_s: float | None = None
-        self.readies = 0  # checkpoints that became ready (their spacing: a standby's lifetime)
+        self._reset_s: float | None = None  # boundary 0's cost (a fresh sandbox + setup), if told
+        self._zero_ready = False  # a checkpoint of boundary 0 is ready: a failure keeps the setup
+
+    # what was learned lives in ``estimates`` (possibly shared): read-only views
+    steps = property(lambda self: self.estimates.steps)
+    failures = property(lambda self: self.estimates.failures)
+    readies = property(lambda self: self.estimates.readies)
+    capture_s = property(lambda self: self.estimates.capture_s)
+    generation_s = property(lambda self: self.estimates.generation_s)
+    wait_s = property(lambda self: self.estimates.wait_s)
+    standby_prepare_s = property(lambda self: self.estimates.standby_prepare_s)
 
     # ------------------------------------------------------------------ estimates
 
@@ -175,8 +230,10 @@ class AdaptivePolicy:
         return self.config.generation_s if self.generation_s is None else self.generation_s
 
     def regeneration_cost_s(self) -> float:
-        """Seconds of generation + execution a failure now would throw away."""
-        return sum(self._cost_by_step[self._ready_step:])
+        """Seconds of generation + execution a failure now would throw away (and, with no
+        checkpoint ready at all, the fresh sandbox and setup that boundary 0 cost)."""
+        setup = (self._reset_s or 0.0) if self._ready_step == 0 and not self._zero_ready else 0.0
+        return setup + sum(self._cost_by_step[self._ready_step:])
 
     def expected_saving_s(self) -> float:
         return self.failure_probability * self.regeneration_cost_s()
@@ -190,8 +247,10 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ decisions
 
     def should_checkpoint(self, step: int) -> bool:
-        if step <= self._ready_step or self.clock() < self.cooldown_until:
+        if step < self._ready_step or self.clock() < self.cooldown_until:
             return False
+        if step == self._ready_step and (step > 0 or self._zero_ready or self._reset_s is None):
+            return False  # ready already (boundary 0: only when the env reports what it cost)
         if self.capture_s is None and self.config.explore:
             return True  # one capture to measure what a capture costs here; priors only guess
         return self.expected_saving_s() > self.visible_cost_s()
@@ -209,7 +268,7 @@ class AdaptivePolicy:
         return self.failure_probability * lifetime_steps * saving >= c.standby_cpu_weight * prepare
 
     def observe_standby(self, prepare_s: float) -> None:
-        self.standby_prepare_s = self._ema(self.standby_prepare_s, max(0.0, prepare_s))
+        self.estimates.update("standby_prepare_s", max(0.0, prepare_s), self.config.smoothing)
 
     def late_wait_s(self, elapsed_s: float) -> float:
         left = max(0.0, self.config.capture_timeout_s - elapsed_s)
@@ -222,32 +281,33 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ observations
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.config.smoothing * (new - old)
-
     def observe_step(self, exec_s: float, gen_s: float) -> None:
-        self.steps += 1
+        self.estimates.count(steps=1)
         self._cost_by_step.append(max(0.0, exec_s) + max(0.0, gen_s))
-        self.generation_s = self._ema(self.generation_s, max(0.0, gen_s))
+        self.estimates.update("generation_s", max(0.0, gen_s), self.config.smoothing)
 
     def observe_failure(self) -> None:
-        self.steps += 1
-        self.failures += 1
+        self.estimates.count(steps=1, failures=1)
 
     def observe_wait(self, wait_s: float) -> None:
-        self.wait_s = self._ema(self.wait_s, max(0.0, wait_s))
+        self.estimates.update("wait_s", max(0.0, wait_s), self.config.smoothing)
 
     def observe_capture(self, total_s: float, frozen_s: float) -> None:
-        self.capture_s = self._ema(self.capture_s, max(0.0, total_s))
+        self.estimates.update("capture_s", max(0.0, total_s), self.config.smoothing)
 
     def observe_capture_failed(self, timed_out: bool) -> None:
         self.cooldown_until = self.clock() + self.config.cooldown_s
         if timed_out:  # the capture cost at least the whole budget
-            self.capture_s = self._ema(self.predicted_capture_s, self.config.capture_timeout_s)
+            self.estimates.update("capture_s", self.config.capture_timeout_s, self.config.smoothing,
+                                  prior=self.config.capture_s)
 
     def observe_ready(self, step: int) -> None:
-        self.readies += 1
+        self.estimates.count(readies=1)
         self._ready_step = max(self._ready_step, min(step, len(self._cost_by_step)))
+        self._zero_ready = self._zero_ready or step == 0
+
+    def observe_reset(self, reset_s: float) -> None:
+        self._reset_s, self._zero_ready = max(0.0, reset_s), False
 
     def observe_rollback(self, to_step: int) -> None:
         del self._cost_by_step[to_step:]

@@ -41,6 +41,8 @@ class InfraEvent(BaseModel):
     exit_code: int | None = None
     """``sandbox_exited``: the code the sandbox's init exited with (an action ended it from inside)."""
     time: float = Field(default_factory=time.time)
+    recovery_s: float | None = None
+    """``rollback``: seconds from the failure's detection to the restored sandbox (fence + restore)."""
 
 
 class Trajectory(BaseModel):
@@ -54,12 +56,13 @@ class Trajectory(BaseModel):
         self.steps.append(record)
 
     def rollback(self, to_step: int, *, at_step: int, error: BaseException | None,
-                 regenerate_from: int | None = None) -> InfraEvent:
+                 regenerate_from: int | None = None, recovery_s: float | None = None) -> InfraEvent:
         discarded = len(self.steps) - to_step
         del self.steps[to_step:]
         event = InfraEvent(kind="rollback", at_step=at_step, to_step=to_step,
                            error=type(error).__name__ if error else None,
-                           message=str(error)[:2000] if error else None, discarded_steps=discarded)
+                           message=str(error)[:2000] if error else None, discarded_steps=discarded,
+                           recovery_s=recovery_s)
         self.events.append(event)
         return event
 

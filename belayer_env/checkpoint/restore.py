@@ -236,11 +236,12 @@ class _Staged:
                                 checkpoint=self.ck.id) from self.error
 
     def move_to(self, dest: Path) -> None:
-        """Put the verified content at ``dest`` (an empty dir there is replaced)."""
+        """Put the verified content at ``dest`` (a dir there holding only empty dirs is replaced:
+        Docker creates a working dir missing from the image in a new container's upperdir)."""
         self.verified()
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if dest.is_dir():
-            dest.rmdir()
+            _remove_empty_tree(dest)
         try:
             os.rename(self.dir, dest)
         except OSError as e:  # a capped sandbox layer is a file system of its own (belayer_env.disk)
@@ -276,6 +277,13 @@ def _nonce(images_dir: Path) -> None:
     """Docker uploads the checkpoint directory to containerd's content store by digest: two
     restores of one checkpoint at once (fork) would collide ("already exists")."""
     (images_dir / "belayer-nonce").write_text(uuid.uuid4().hex)
+
+
+def _remove_empty_tree(path: Path) -> None:
+    """Remove ``path`` if it holds nothing but (empty) directories; ``OSError`` otherwise."""
+    for sub in sorted((p for p in path.rglob("*")), key=lambda p: len(p.parts), reverse=True):
+        sub.rmdir()  # a file, link or device there raises: never throw content away
+    path.rmdir()
 
 
 def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str,

@@ -30,6 +30,9 @@ class AgentConfig(BaseModel):
     """Timeout of one command in the sandbox (and of the reward's test run)."""
     checkpoint_policy: Literal["adaptive", "always", "never"] = "adaptive"
     """When the env checkpoints the sandbox at a step boundary."""
+    standby: bool = True
+    """Keep the newest checkpoint pre-restored in a frozen standby when the adaptive policy
+    finds it worth its memory and CPU: a rollback onto it is a thaw, not a restore."""
 
 
 class LearnerConfig(BaseModel):

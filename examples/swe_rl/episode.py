@@ -32,7 +32,10 @@ class Episode(BaseModel):
     lost_s: float = 0.0
     """Work redone because of env failures: time since the restored boundary was reached."""
     lost_s_without: float = 0.0
-    """The same without recovery: time since the episode (re)started from scratch."""
+    """The same without recovery: time since the episode (re)started from scratch, plus a
+    fresh sandbox and the task's setup again (this episode's own reset time)."""
+    rollbacks: list[dict] = Field(default_factory=list)
+    """Per env rollback: fault step, boundary restored, timings, the env's checkpoint events."""
 
     @property
     def infra_touched(self) -> bool:

@@ -137,6 +137,7 @@ def train(cfg: RunConfig, base_url: str, weights_socket: str) -> None:
             "env_lost_s": round(sum(e.lost_s for e in episodes), 3),
             "env_lost_s_without": round(sum(e.lost_s_without for e in episodes), 3),
             "mean_episode_s": round(statistics.fmean(e.seconds for e in episodes), 3),
+            "rollbacks": [r for e in episodes for r in e.rollbacks],  # per env rollback, for the analysis
             "rollout_s": round(t_roll, 2), "learn_s": round(t2 - t1, 2), "push_s": round(t_push, 2), "seconds": round(time.monotonic() - t0, 2), **metrics,
         })
     saver.wait()

@@ -10,6 +10,7 @@ from belayer_env.policy import (
     AlwaysPolicy,
     CheckpointPolicy,
     NeverPolicy,
+    PolicyEstimates,
     make_policy,
 )
 
@@ -160,3 +161,66 @@ def test_measured_wait_for_thaw_is_a_visible_cost():
     p.observe_wait(0.4)  # ...but the next step really waited 0.4 s for the thaw
     assert p.visible_cost_s() == pytest.approx(0.4)
     assert not p.should_checkpoint(3)  # 0.01 x 6 s at risk < 0.4 s
+
+
+def test_envs_of_one_workload_share_what_they_learned():
+    # one env lives one episode (a few steps): alone it never learns a 25 % failure rate
+    shared = PolicyEstimates()
+    first = AdaptivePolicy(estimates=shared, failure_rate=0.01, prior_steps=100)
+    for _ in range(100):
+        first.observe_step(exec_s=1.0, gen_s=2.0)
+        first.observe_failure()
+    first.observe_capture(total_s=0.5, frozen_s=0.1)
+    alone = AdaptivePolicy(failure_rate=0.01, prior_steps=100)
+    later = AdaptivePolicy(estimates=shared, failure_rate=0.01, prior_steps=100)
+    assert later.failure_probability == pytest.approx(101 / 300)
+    assert alone.failure_probability == pytest.approx(0.01)
+    assert later.capture_s == 0.5 and later.generation_s == 2.0  # measured, not the priors
+    # per-env state stays per env: the later env has nothing at risk yet
+    assert later.regeneration_cost_s() == 0.0 and first.regeneration_cost_s() > 0.0
+
+
+def test_shared_capture_measurement_ends_exploration_for_later_envs():
+    shared = PolicyEstimates()
+    first = AdaptivePolicy(estimates=shared, capture_s=100.0)
+    first.observe_step(0.1, 0.1)
+    assert first.should_checkpoint(1)  # nothing measured yet: explore
+    first.observe_capture(total_s=100.0, frozen_s=0.1)
+    later = AdaptivePolicy(estimates=shared, capture_s=100.0)
+    later.observe_step(0.1, 0.1)
+    assert not later.should_checkpoint(1)  # measured by the first env, and really too slow
+
+
+def test_boundary_zero_is_checkpointed_only_when_its_setup_cost_is_known_and_worth_it():
+    p = AdaptivePolicy(capture_s=0.5, generation_s=2.0, failure_rate=0.05, explore=False)
+    assert not p.should_checkpoint(0)  # no reset reported: nothing known at risk
+    p.observe_reset(4.0)  # a fresh sandbox + setup took 4 s
+    assert p.regeneration_cost_s() == pytest.approx(4.0)  # a failure now redoes the setup
+    assert p.should_checkpoint(0)  # 0.05 x 4 s > 0 s visible (the capture hides in generation)
+    p.observe_ready(0)
+    assert not p.should_checkpoint(0) and p.regeneration_cost_s() == 0.0
+    p.observe_step(exec_s=1.0, gen_s=2.0)
+    assert p.regeneration_cost_s() == pytest.approx(3.0)  # the setup is safe in checkpoint 0
+    p.observe_reset(4.0)  # a new episode: nothing of it is checkpointed
+    p.observe_rollback(0)
+    assert p.regeneration_cost_s() == pytest.approx(4.0)
+
+
+def test_a_slow_capture_is_not_taken_for_a_cheap_setup():
+    p = AdaptivePolicy(capture_s=10.0, generation_s=1.0, failure_rate=0.05, prior_steps=1e9, explore=False)
+    p.observe_reset(2.0)
+    assert not p.should_checkpoint(0)  # 0.05 x 2 s < 9 s visible
+
+
+def test_a_deep_copy_is_independent():
+    # env.fork(n) deep-copies the parent's policy: the figures are copied, not shared
+    import copy
+
+    p = AdaptivePolicy(capture_s=0.4)
+    p.observe_step(exec_s=1.0, gen_s=2.0)
+    p.observe_failure()
+    child = copy.deepcopy(p)
+    assert (child.steps, child.failures, child.generation_s) == (2, 1, 2.0)
+    child.observe_failure()
+    assert (p.failures, child.failures) == (1, 2)
+    assert child.regeneration_cost_s() == p.regeneration_cost_s() == pytest.approx(3.0)

@@ -99,6 +99,29 @@ def test_env_rollback_onto_the_standby(make_env, docker_client):
     assert _running(docker_client, env.name) == [standby_id]
 
 
+def test_standby_starts_when_the_checkpoint_is_published_not_at_the_next_step(make_env, docker_client):
+    # a fault in the very next step is the one a standby saves most often: its restore must
+    # not wait until that step starts (the env's own poll) to begin
+    env = make_env(config=EnvConfig(standby=True), checkpoint_policy=AlwaysPolicy())
+    env.reset(options={"task": "t"})
+    env.step(COUNTER)  # boundary 1: a capture in the background
+    pending = env.checkpointer._pending
+    assert pending is not None
+    ck = pending.wait(timeout=120)  # published; no env call since the step returned
+    wait_until(lambda: env.checkpointer.standby is not None and env.checkpointer.standby.checkpoint is not None,
+               30, "standby started on publication")
+    standby = env.checkpointer.standby
+    assert standby.checkpoint.id == ck.id
+    wait_until(lambda: standby.ready() or standby.error, 120, "standby prepared")
+    assert standby.error is None
+    standby_id = standby._sandbox.container_id
+    kill_container(docker_client, env.sandbox.container_id)
+    _, _, _, _, info = env.step(BUMP.format(n=1))
+    assert info["belayer"]["rollback"] == {"to_step": 1, "reason": "SandboxLost"}
+    assert env.sandbox.container_id == standby_id  # promoted, prepared exactly once
+    assert [e.kind for e in env.trajectory.events].count("standby_preparing") == 1
+
+
 @pytest.mark.parametrize("phase", [Phase.STANDBY_FROZEN, Phase.STANDBY_THAWED])
 def test_faults_in_standby_fall_back_to_a_consistent_restore(make_env, docker_client, phase):
     env = make_env(config=EnvConfig(standby=True), checkpoint_policy=AlwaysPolicy(every=2))

@@ -197,3 +197,17 @@ def test_prestaged_capped_layer_is_mounted_whole_and_the_cap_holds(make_sandbox,
     r = restored.execute("head -c 100M /dev/zero > /work/big; echo rc=$?")
     assert "No space left" in r["output"] and "rc=1" in r["output"], r  # the 64m cap holds
     assert restored.execute("rm /work/big && echo again >> /work/a && cat /work/a")["output"] == "one\nagain\n"
+
+
+def test_restore_of_a_sandbox_whose_cwd_is_not_in_the_image(make_sandbox, ck_store, docker_client):
+    # Docker creates a working dir missing from the image in a new container's upperdir;
+    # the unpacked layer replaces it (it once failed every restore that was not pre-staged)
+    sb = make_sandbox(cwd="/srv/task")
+    assert sb.execute("mkdir -p /srv/task && echo state > /srv/task/f", cwd="/")["returncode"] == 0
+    before = tree_hash(sb, exclude=EXCLUDE)
+    ck = full_checkpoint(sb, ck_store, 1)
+    for _ in range(2):  # the same checkpoint again, as after a second fault
+        sb = full_restore(ck, client=docker_client)
+        assert tree_hash(sb, exclude=EXCLUDE) == before
+        assert sb.execute("cat f")["output"] == "state\n"
+        assert leftovers_in_tmp(docker_client) == []
