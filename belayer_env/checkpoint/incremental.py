@@ -352,24 +352,5 @@ def _ns(stamp: str) -> int:
 
 def tar_tree(tree: Path, fo: Any, max_bytes: int | None) -> tuple[int, str]:
     """``tar`` of the mirror into ``fo`` (hashing on the way): the checkpoint's layer.tar."""
-    import hashlib
-
-    from belayer_env.checkpoint.manifest import CHUNK
-
-    proc = subprocess.Popen(["tar", "--create", "--sparse", "--file=-", f"--directory={tree}", *layer.TAR_OPTS, "."],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None
-    h, size = hashlib.sha256(), 0
-    while chunk := proc.stdout.read(CHUNK):
-        h.update(chunk)
-        fo.write(chunk)
-        size += len(chunk)
-        if max_bytes is not None and size > max_bytes:
-            proc.kill()
-            proc.wait()
-            raise layer.LayerTooLarge(f"the writable layer is larger than the checkpoint limit of {max_bytes} bytes "
-                                      "(CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if proc.wait() != 0:
-        raise layer.LayerError(f"tar of the mirror {tree} failed: {err.strip()[-500:]}")
-    return size, h.hexdigest()
+    argv = ["tar", "--create", "--sparse", "--file=-", f"--directory={tree}", *layer.TAR_OPTS, "."]
+    return layer.stream_tar(argv, fo, max_bytes, f"the mirror {tree}")

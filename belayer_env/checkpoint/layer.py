@@ -74,6 +74,30 @@ class Capture:
         self._proc.wait()
 
 
+def stream_tar(argv: list[str], fo: Any, max_bytes: int | None, what: str) -> tuple[int, str]:
+    """Run ``tar`` (``argv`` writes the archive to stdout) into ``fo``, hashing on the way:
+    the checkpoint's layer.tar and its digest in one pass; ``LayerTooLarge`` past ``max_bytes``."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    h, size = hashlib.sha256(), 0
+    try:
+        while chunk := proc.stdout.read(CHUNK):
+            h.update(chunk)
+            fo.write(chunk)
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise LayerTooLarge(f"the writable layer is larger than the checkpoint limit of {max_bytes} bytes "
+                                    "(CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        if proc.wait() != 0:
+            raise LayerError(f"tar of {what} failed: {err.strip()[-500:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return size, h.hexdigest()
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size

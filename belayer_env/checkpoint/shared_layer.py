@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import os
 import re
 import shutil
@@ -55,7 +54,7 @@ from typing import IO, Any
 import docker
 
 from belayer_env.checkpoint import layer
-from belayer_env.checkpoint.manifest import CHUNK, Checkpoint
+from belayer_env.checkpoint.manifest import Checkpoint
 from belayer_env.checkpoint.store import owner_alive, owner_tag
 from belayer_env.docker_api import translate_errors
 
@@ -308,25 +307,10 @@ def tar_merged(shared: SharedLower, upper: Path, fo: IO[bytes], scratch: Path,
             f"--directory={shared.diff.resolve()}", f"--files-from={lists[0]}",
             f"--directory={upper.resolve()}", f"--files-from={lists[1]}"]  # -C before -T: positional
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert proc.stdout is not None
-        h, size = hashlib.sha256(), 0
-        while chunk := proc.stdout.read(CHUNK):
-            h.update(chunk)
-            fo.write(chunk)
-            size += len(chunk)
-            if max_bytes is not None and size > max_bytes:
-                proc.kill()
-                proc.wait()
-                raise layer.LayerTooLarge(f"the writable layer is larger than the checkpoint limit of {max_bytes} "
-                                          "bytes (CheckpointStore.max_layer_bytes, $BELAYER_MAX_LAYER_BYTES)")
-        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-        if proc.wait() != 0:
-            raise layer.LayerError(f"tar of the fork's layer (shared {shared.name} + {upper}) failed: {err.strip()[-500:]}")
+        return layer.stream_tar(argv, fo, max_bytes, f"the fork's layer (shared {shared.name} + {upper})")
     finally:
         for f in lists:
             f.unlink(missing_ok=True)
-    return size, h.hexdigest()
 
 
 def tar_merged_from_tar(shared: SharedLower, upper_tar: Path, fo: IO[bytes], scratch: Path,
