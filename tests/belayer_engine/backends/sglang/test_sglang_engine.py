@@ -175,6 +175,10 @@ def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
     t = threading.Thread(target=_stream, args=(engine, PROMPTS[1], started, res))
     t.start()
     assert started.wait(START_S)
+    # hold the stream mid-flight: a 48-token stream on an idle server can finish before the
+    # cold path reaches its server, and then nothing was there to continue (seen in CI);
+    # the cold restart SIGKILLs the stopped group
+    os.killpg(os.getpgid(engine.worker_pid(0)), signal.SIGSTOP)
     os.kill(arena_pid, signal.SIGKILL)
     engine.wait_event("cold_restart", since, timeout=START_S)
     t.join(START_S * 2)
