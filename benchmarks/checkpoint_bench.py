@@ -192,10 +192,7 @@ def fork_pair(client, ck, n: int, i: int, out: dict) -> None:
 
 def run_fork_only(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, fork_n: int,
                   loads: list) -> dict:
-    sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
-    if scenario == "heavy":
-        r = sb.execute(HEAVY_SETUP)
-        assert r["returncode"] == 0, r["output"][-2000:]
+    sb = bench_sandbox(client, scenario, run_id)
     out = {"fork": {"restore_s": []}, "fork_copied": {"restore_s": []}, "belayer": {"size_bytes": []}}
     try:
         for i in range(runs):
@@ -233,11 +230,17 @@ def capture_pair(sb: DockerSandbox, store: CheckpointStore, i: int, out: dict) -
     return ck
 
 
-def run_capture_only(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, loads: list) -> dict:
+def bench_sandbox(client, scenario: str, run_id: str) -> DockerSandbox:
+    """A fresh sandbox of ``scenario`` (``heavy``: its heap and repo set up), named for this run."""
     sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
     if scenario == "heavy":
         r = sb.execute(HEAVY_SETUP)
         assert r["returncode"] == 0, r["output"][-2000:]
+    return sb
+
+
+def run_capture_only(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, loads: list) -> dict:
+    sb = bench_sandbox(client, scenario, run_id)
     out = {m: {k: [] for k in ("frozen_s", "total_s", "size_bytes")} for m in ("belayer", "paused")}
     out["belayer"]["restore_s"] = []
     out["belayer_detail"] = {}
@@ -262,10 +265,7 @@ def run_capture_only(client, scenario: str, runs: int, store: CheckpointStore, r
 
 def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, fork_n: int,
                  loads: list) -> dict:
-    sb = DockerSandbox(client=client, timeout=120, name_prefix=f"belayer-bench-{run_id}")
-    if scenario == "heavy":
-        r = sb.execute(HEAVY_SETUP)
-        assert r["returncode"] == 0, r["output"][-2000:]
+    sb = bench_sandbox(client, scenario, run_id)
     out = {m: {k: [] for k in ("frozen_s", "total_s", "restore_s", "size_bytes")} for m in ("belayer", "docker")}
     out["paused"] = {k: [] for k in ("frozen_s", "total_s", "size_bytes")}
     out["belayer_detail"] = {}
