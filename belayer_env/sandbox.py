@@ -26,6 +26,7 @@ from docker.utils.socket import frames_iter
 
 from belayer.errors import ConfigError, InvalidAction, SandboxLost, UsageError
 from belayer.procfs import read_stat
+from belayer_env import loopback
 from belayer_env.config import SandboxConfig
 from belayer_env.disk import limit_layer
 from belayer_env.docker_api import connect, translate_errors
@@ -141,13 +142,24 @@ POLL_S = 0.2
 
 
 def create_container(client: docker.DockerClient, config: SandboxConfig, name: str,
-                     labels: dict[str, str] | None = None) -> Any:
+                     labels: dict[str, str] | None = None, network_disabled: bool | None = None) -> Any:
     """Create (not start) a container for ``config``: the one recipe shared with restore.
 
     Capabilities are cut to ``config.capabilities`` and, with ``config.disk``, the writable
     layer is put on a file system of that size (``belayer_env.disk``) before anything runs.
+    ``network_disabled``: without Docker's network stack (``belayer_env.loopback``); None:
+    whenever the sandbox has no network and this host has the loopback hook (a restore
+    passes what its checkpoint's container had).
     """
     all_labels = {**config.labels, **owner_labels(name), **(labels or {})}
+    if network_disabled is None:
+        network_disabled = not config.network and loopback.installed()
+    if network_disabled and config.network:
+        raise UsageError("a sandbox with network=True cannot be created with Docker's network stack disabled")
+    if network_disabled and not loopback.installed():
+        raise UsageError(f"this container must be created without Docker's network stack, but the CRIU "
+                         f"loopback hook is not installed here ({loopback.HOOK_PATH} listed in "
+                         f"{loopback.RUNC_CRIU_CONF}): run `bash scripts/setup.sh`")
     with translate_errors(f"create sandbox {name}"):
         try:
             client.images.get(config.image)
@@ -164,6 +176,9 @@ def create_container(client: docker.DockerClient, config: SandboxConfig, name: s
                 environment=config.env,
                 labels=all_labels,
                 network_mode=None if config.network else "none",
+                network_disabled=network_disabled,
+                mounts=[docker.types.Mount("/etc/hosts", str(loopback.HOSTS_PATH), type="bind",
+                                           read_only=True)] if network_disabled else None,
                 mem_limit=config.memory,
                 memswap_limit=config.memory,
                 pids_limit=config.pids_limit,

@@ -89,7 +89,12 @@ criu_version_ok() {
   [ -n "$v" ] || return 1
   "$PY" -c "import sys; v=tuple(int(x) for x in '$v'.split('.')[:2]); sys.exit(0 if v >= (4, 2) else 1)"
 }
-if criu_version_ok && criu check >/dev/null 2>&1; then
+# CRIU caches its kernel probing (~30 ms of every dump and restore, more under load) in
+# $KDAT_DIR/criu.kdat, but only on a tmpfs (the cache must not outlive a reboot); /run is
+# not always one, so CRIU is built to keep it in $KDAT_DIR, a tmpfs mounted below.
+KDAT_DIR=/run/criu
+criu_kdat_ok() { grep -qa "$KDAT_DIR/criu.kdat" "$(command -v criu)"; }
+if criu_version_ok && criu_kdat_ok && criu check >/dev/null 2>&1; then
   info "$(command -v criu): $(criu --version | head -1), criu check passes"
 else
   apt_install build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
@@ -113,7 +118,8 @@ else
   [ -d "$srcdir" ] || tar -xf "$tarball"
   ln -sfn "$CRIU_SRC_DIR/$srcdir" "$CRIU_SRC_DIR/current"
   info "building $srcdir (make criu lib; ~30 s on 2 cores)"
-  run_logged "$LOG_DIR/criu-build.log" make -C "$srcdir" -j"$(nproc)" criu lib
+  rm -f "$srcdir/criu/kerndat.o"  # KDAT_DIR is compiled into it
+  run_logged "$LOG_DIR/criu-build.log" make -C "$srcdir" -j"$(nproc)" criu lib RUNDIR="$KDAT_DIR"
   run_logged "$LOG_DIR/criu-install.log" make -C "$srcdir" install-criu PREFIX=/usr/local
   hash -r
   criu_version_ok || die "installed criu is not >= 4.2: $(criu --version 2>&1 | head -1)"
@@ -124,6 +130,10 @@ fi
 mkdir -p /etc/criu
 # runc reads this when docker checkpoints: keep established TCP and file locks.
 [ -f /etc/criu/runc.conf ] || printf 'tcp-established\nfile-locks\n' >/etc/criu/runc.conf
+mkdir -p "$KDAT_DIR"
+mountpoint -q "$KDAT_DIR" || mount -t tmpfs -o size=1m,mode=0755 belayer-criu-kdat "$KDAT_DIR" \
+  || die "could not mount a tmpfs at $KDAT_DIR (CRIU's kernel-probe cache)"
+info "CRIU's kernel-probe cache on tmpfs $KDAT_DIR"
 
 step "pycriu for $PY"
 if "$PY" -c "import pycriu" 2>/dev/null; then
@@ -177,6 +187,14 @@ else
     echo "$stamp" >"$LOG_DIR/pip-stamp"
   fi
 fi
+
+# ------------------------------------------- CRIU loopback hook (belayer_env/loopback.py)
+step "CRIU loopback hook (sandboxes start without Docker's network stack)"
+command -v ip >/dev/null || apt_install iproute2
+command -v nsenter >/dev/null || apt_install util-linux
+hook_out=$(cd "$ROOT" && PYTHONPATH="$ROOT" "$PY" -c 'from belayer_env.loopback import install; print(install())') \
+  || die "could not install the CRIU loopback hook"
+info "$hook_out"
 
 # ---------------------------------------------------------------- SGLang (its own venv)
 if [ "${BELAYER_SKIP_SGLANG:-0}" = 1 ]; then

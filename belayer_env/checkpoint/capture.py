@@ -151,7 +151,8 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
                 "id": ck_id, "sandbox": sandbox.name, "step": step, "created": time.time(),
                 "frozen_s": frozen_s, "total_s": time.monotonic() - t0, "size_bytes": size,
                 "has_runtime": runtime, "config": sandbox.config.model_dump(mode="json"),
-                "image_id": info["Image"], "source_container": sandbox.container_id, "files": files, **extra,
+                "image_id": info["Image"], "source_container": sandbox.container_id, "files": files,
+                "network_disabled": bool(info["Config"].get("NetworkDisabled")), **extra,
             })
             phase = "publish"
             ck = store.publish(staging, sandbox.name, ck_id)

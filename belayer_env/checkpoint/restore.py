@@ -41,7 +41,7 @@ from typing import Any, Literal, get_args
 import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
-from belayer_env import disk, fence
+from belayer_env import disk, fence, loopback
 from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
@@ -89,6 +89,10 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     if not ck.has_runtime and not allow_degraded:
         raise RestoreFailed(f"checkpoint {ck.id} holds no runtime state; a file-system-only restore "
                             "needs allow_degraded=True", checkpoint=ck.id)
+    if data.get("network_disabled") and not loopback.installed():  # before anything touches the sandbox
+        raise RestoreFailed(f"checkpoint {ck.id} was taken of a sandbox without Docker's network stack and "
+                            f"this host lacks the CRIU loopback hook that restores need ({loopback.HOOK_PATH} "
+                            f"listed in {loopback.RUNC_CRIU_CONF}): run `bash scripts/setup.sh`", checkpoint=ck.id)
     client = client or connect(ck.config.docker_host)
     tmp = prestaging.docker_tmp(client)
     prestaging.clean_dead_staging(tmp)
@@ -171,7 +175,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
                 client.api.start(cid)
         hook(Phase.STARTED)
-        _wait_running(client, cid, ck)
+        _wait_running(client, cid, ck, loopback_hook=bool(data.get("network_disabled")) and not degraded)
         hook(Phase.VERIFIED)
     except Exception as e:
         if cid is not None:
@@ -298,7 +302,8 @@ def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], n
     if layer_image is not None:
         update["disk"] = None  # the cap is layer_image's own size
     labels = {SANDBOX_NAME: sandbox, **(shared.labels if shared is not None else {})}
-    container = create_container(client, ck.config.model_copy(update=update), name, labels=labels)
+    container = create_container(client, ck.config.model_copy(update=update), name, labels=labels,
+                                 network_disabled=bool(data.get("network_disabled")))
     info = container.attrs  # docker-py inspected it right after the create
     if shared is not None:
         try:
@@ -345,13 +350,20 @@ def _link_all(src: Path, dest: Path) -> None:
         os.link(f, dest / f.name)
 
 
-def _wait_running(client: docker.DockerClient, cid: str, ck: Checkpoint) -> None:
-    """Bounded check that the restored container runs (a failed CRIU restore exits it)."""
+def _wait_running(client: docker.DockerClient, cid: str, ck: Checkpoint, *, loopback_hook: bool) -> None:
+    """Bounded check that the restored container runs (a failed CRIU restore exits it);
+    ``loopback_hook``: and that the CRIU hook set its loopback up (``belayer_env.loopback``)."""
     deadline = time.monotonic() + RUNNING_TIMEOUT_S
     while True:
         with translate_errors(f"inspect restored sandbox {ck.sandbox}"):
             state = client.api.inspect_container(cid)["State"]
         if state.get("Running"):
+            if loopback_hook and loopback.loopback_up(state.get("Pid", 0)) is False:
+                remove(client, cid)
+                raise RestoreFailed(f"checkpoint {ck.id}: the restored sandbox's loopback is down (the CRIU "
+                                    f"loopback hook did not run: is {loopback.CONF_LINE!r} still in "
+                                    f"{loopback.RUNC_CRIU_CONF}? `bash scripts/setup.sh` puts it back)",
+                                    checkpoint=ck.id)
             return
         if state.get("Status") in ("exited", "dead") or time.monotonic() > deadline:
             remove(client, cid)
