@@ -77,12 +77,31 @@ def kill(client: docker.DockerClient, sandbox_name: str) -> list[str]:
     return kill_listed(client, sandbox_name, sandbox_containers(client, sandbox_name, by_name=True))
 
 
-def kill_listed(client: docker.DockerClient, sandbox_name: str, found: list[dict[str, Any]]) -> list[str]:
+def kill_listed(client: docker.DockerClient, sandbox_name: str, found: list[dict[str, Any]], *,
+                docker_view: bool = True) -> list[str]:
     """``kill`` of the containers ``sandbox_containers`` listed (a restore lists them, then
-    creates the new container while these die)."""
+    creates the new container while these die). ``docker_view=False``: return once no
+    process of theirs is left (the kernel's view), before Docker's state says so (~150 ms
+    later); the caller then calls ``wait_not_running`` (a restore: after its start)."""
     for c in found:
         thaw(client, c["Id"], paused=c.get("State") == "paused")
-    return [c["Id"] for c in found if _kill_and_rename(client, c["Id"], sandbox_name)]
+    return [c["Id"] for c in found if _kill_and_rename(client, c["Id"], sandbox_name, docker_view)]
+
+
+def wait_not_running(client: docker.DockerClient, container_ids: list[str], sandbox_name: str) -> None:
+    """Bounded wait until Docker's state no longer says running for any of ``container_ids``
+    (killed already: this is Docker's bookkeeping catching up, not a kill)."""
+    deadline = time.monotonic() + STOPPED_TIMEOUT_S
+    with translate_errors(f"fence sandbox {sandbox_name}"):
+        for cid in container_ids:
+            try:
+                while client.api.inspect_container(cid)["State"].get("Running"):
+                    if time.monotonic() > deadline:
+                        raise SandboxLost(f"container {cid[:12]} of sandbox {sandbox_name} is dead, but Docker "
+                                          f"still says running after {STOPPED_TIMEOUT_S:g} s")
+                    time.sleep(0.01)
+            except docker.errors.NotFound:
+                continue
 
 
 def remove_in_background(client: docker.DockerClient, container_ids: list[str]) -> None:
@@ -128,9 +147,10 @@ def _wait_gone(client: docker.DockerClient, cid: str, sandbox_name: str) -> None
             time.sleep(0.02)
 
 
-def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str) -> bool:
-    """SIGKILL and rename aside; False if already gone. Dead means no process left in the
-    container's cgroup (``freezer.kill_all``), else Docker's view after Docker's kill."""
+def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str, docker_view: bool = True) -> bool:
+    """SIGKILL and rename aside; False if already gone. Dead: no process left in the
+    container's cgroup (``freezer.kill_all``) and, with ``docker_view``, Docker's state
+    no longer running (without the cgroup: Docker's view after Docker's kill)."""
     with translate_errors(f"fence sandbox {sandbox_name}"):
         try:
             info = client.api.inspect_container(cid)
@@ -143,7 +163,7 @@ def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str) -
                     client.api.kill(cid)
             if not info["Name"].lstrip("/").startswith(f"{sandbox_name}-fenced-"):
                 client.api.rename(cid, f"{sandbox_name}-fenced-{uuid.uuid4().hex[:8]}")
-            if dead:
+            if dead and not docker_view:
                 return True  # no process left in its cgroup; Docker's state catches up on its own
         except docker.errors.NotFound:
             return False

@@ -176,6 +176,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                 client.api.start(cid)
         hook(Phase.STARTED)
         _wait_running(client, cid, ck, loopback_hook=bool(data.get("network_disabled")) and not degraded)
+        fence.wait_not_running(client, fenced, target)  # long true in Docker's view too, by now
         hook(Phase.VERIFIED)
     except Exception as e:
         if cid is not None:
@@ -274,7 +275,8 @@ class _Staged:
 def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> list[str]:
     """Kill every container of sandbox ``target`` except this restore's own (``new_name``)."""
     listed = fence.sandbox_containers(client, target, by_name=True)
-    return fence.kill_listed(client, target, [c for c in listed if f"/{new_name}" not in (c.get("Names") or ())])
+    return fence.kill_listed(client, target, [c for c in listed if f"/{new_name}" not in (c.get("Names") or ())],
+                             docker_view=False)  # dead is enough to start; Docker's view: after the start
 
 
 def _nonce(images_dir: Path) -> None:
