@@ -102,3 +102,7 @@ def loopback_up(pid: int) -> bool | None:
         return None
     return bool(flags & 0x1)  # IFF_UP
 
+
+
+if __name__ == "__main__":  # `python3 belayer_env/loopback.py` (scripts/setup.sh: needs no other package)
+    print(install())

@@ -192,7 +192,7 @@ fi
 step "CRIU loopback hook (sandboxes start without Docker's network stack)"
 command -v ip >/dev/null || apt_install iproute2
 command -v nsenter >/dev/null || apt_install util-linux
-hook_out=$(cd "$ROOT" && PYTHONPATH="$ROOT" "$PY" -c 'from belayer_env.loopback import install; print(install())') \
+hook_out=$("$PY" "$ROOT/belayer_env/loopback.py") \
   || die "could not install the CRIU loopback hook"
 info "$hook_out"
 
