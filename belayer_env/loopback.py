@@ -57,6 +57,7 @@ ff02::2\tip6-allrouters
 """
 
 CONF_LINE = f"action-script {HOOK_PATH}"
+HOOK_PATH_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
 def installed(conf: Path | None = None) -> bool:
@@ -65,9 +66,14 @@ def installed(conf: Path | None = None) -> bool:
     try:
         listed = CONF_LINE in (line.strip() for line in conf.read_text().splitlines())
         return (listed and HOOK_PATH.read_text() == HOOK_SCRIPT and os.access(HOOK_PATH, os.X_OK)
-                and HOSTS_PATH.read_text() == HOSTS)
+                and HOSTS_PATH.read_text() == HOSTS and all(_tool(t) for t in ("ip", "nsenter")))
     except OSError:
         return False
+
+
+def _tool(name: str) -> bool:
+    """On the hook's own PATH (CRIU runs it with whatever environment containerd has)."""
+    return any(os.access(Path(d) / name, os.X_OK) for d in HOOK_PATH_DIRS)
 
 
 def install(conf: Path | None = None) -> str:
