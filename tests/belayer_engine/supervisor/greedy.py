@@ -23,3 +23,13 @@ def direct(eng: RecoverableEngine, slot: int, prompt: str) -> tuple[list[int], i
 
 def answers(eng: RecoverableEngine, slot: int) -> dict[str, list[int]]:
     return {p: direct(eng, slot, p)[0] for p in PROMPTS}
+
+
+def assert_serves(eng: RecoverableEngine, slots: tuple[int, ...], expected: dict[str, list[int]], version: int) -> None:
+    """Every slot's worker answers ``expected`` (greedy ids) at weight ``version``, and its arena holds that version."""
+    from belayer_engine.arena.client import ArenaClient
+
+    for slot in slots:
+        assert answers(eng, slot) == expected, f"slot {slot} serves other weights"
+        assert direct(eng, slot, PROMPTS[0])[1] == version, f"slot {slot}'s worker reports another version"
+        assert ArenaClient(eng.arena_socket(slot)).describe()["version"] == version, f"slot {slot}'s arena"

@@ -26,7 +26,7 @@ from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights
 from belayer_engine.weights_client import EngineWeights
 from belayer_engine.weights_wire import ROUTE
-from tests.belayer_engine.supervisor.greedy import PROMPTS, answers, direct
+from tests.belayer_engine.supervisor.greedy import PROMPTS, answers, assert_serves, direct
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,10 +48,7 @@ def test_out_of_process_update_survives_an_arena_sigkill():
         assert v2 == pushed["v1"] + 5 == pushed["engine_version"]
         updated = answers(eng, 1)
         assert updated != base, "the learner's updates changed the greedy output"
-        for slot in (0, 1):
-            assert answers(eng, slot) == updated
-            assert direct(eng, slot, PROMPTS[0])[1] == v2
-            assert ArenaClient(eng.arena_socket(slot)).describe()["version"] == v2
+        assert_serves(eng, (0, 1), updated, v2)
 
         since, killed = time.monotonic(), eng.status()["slots"]["w0"]["arena_pid"]
         os.kill(killed, signal.SIGKILL)

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from belayer.errors import UsageError
-from belayer_engine.arena.client import ArenaClient
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights
-from tests.belayer_engine.supervisor.greedy import PROMPTS, answers, direct
+from tests.belayer_engine.supervisor.greedy import PROMPTS, answers, assert_serves, direct
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,10 +31,7 @@ def test_updates_reach_every_slot_and_survive_an_arena_sigkill():
         assert v2 == v1 + 1
         updated = answers(eng, 0)
         assert updated != base, "the updates changed the greedy output"
-        for slot in (0, 1):
-            assert answers(eng, slot) == updated
-            assert direct(eng, slot, PROMPTS[0])[1] == v2
-            assert ArenaClient(eng.arena_socket(slot)).describe()["version"] == v2
+        assert_serves(eng, (0, 1), updated, v2)
 
         since = time.monotonic()
         os.kill(eng.status()["slots"]["w0"]["arena_pid"], signal.SIGKILL)
