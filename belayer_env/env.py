@@ -142,7 +142,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self._own_exits = {}
         self._done = True  # until the new sandbox is ready
         self.checkpointer.reset()
-        self._fence()
+        self._fence(wait_removed=False)
         self.sandbox = None
         self._setup = opts.setup_commands
         self._episode_config = SandboxConfig.merged(self.config.sandbox, {"image": opts.image} if opts.image else {})
@@ -296,7 +296,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         detected = time.monotonic()
         self.policy.observe_failure()
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
-        self._fence()
+        self._fence(wait_removed=False)
         if self._name_blocked():
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
             # checkpoints restore under this name, so only boundary 0, under a new name, is left
@@ -310,13 +310,13 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                 restored = self.checkpointer.restore(k, client=self.client, wait_s=self.config.pending_wait_s,
                                                      attempts=self.config.recovery_attempts)
                 if restored is None:
-                    self._fence()  # a failed restore may have left a container of this name
+                    self._fence(wait_removed=False)  # a failed restore may have left a container of this name
                     restored = (self._initial_state(), 0)
                 break
             except InfraError as e:  # the fresh sandbox failed too: fence it and try again
                 last = e
                 self._record("restore_failed", at_step=k, error=e)
-                self._fence()
+                self._fence(wait_removed=False)
         if restored is None:
             self._done = True
             raise last
@@ -355,14 +355,17 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             raise
         return sandbox
 
-    def _fence(self) -> None:
+    def _fence(self, *, wait_removed: bool = True) -> None:
         """Kill and remove every container of this episode's sandbox name (the dead one too).
 
-        Not ``sandbox.close()`` first: on a wedged container that blocks in Docker; the
-        fence thaws it before it asks Docker for anything about it."""
+        ``wait_removed=False`` (recovery, reset): return once they are dead and the name is
+        free, their removal left to a thread (a big writable layer takes a second or more to
+        delete, on the rollback's critical path before; ``belayer gc`` reaps what a dying
+        process leaves). Not ``sandbox.close()`` first: on a wedged container that blocks in
+        Docker; the fence thaws it before it asks Docker for anything about it."""
         if self.name:
             with contextlib.suppress(Exception):
-                fence(self.client, self.name, background=False)
+                fence(self.client, self.name, background=not wait_removed)
         elif self.sandbox is not None:
             with contextlib.suppress(Exception):
                 self.sandbox.close()
@@ -371,8 +374,12 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         return f"{self._episode_config.name_prefix}-env-{uuid.uuid4().hex[:12]}"
 
     def _name_blocked(self) -> bool:
+        """A container of this sandbox still runs or holds its name after the fence (fenced
+        ones are dead and renamed aside, their removal maybe still under way)."""
         try:
-            return bool(sandbox_containers(self.client, self.name))
+            return any(c.get("State") not in ("exited", "dead", "created", "removing")
+                       or f"/{self.name}" in (c.get("Names") or ())
+                       for c in sandbox_containers(self.client, self.name, by_name=True))
         except Exception:  # noqa: BLE001 - daemon trouble: the restore attempts will report it
             return False
 

@@ -30,6 +30,9 @@ from belayer_env.ownership import SANDBOX_NAME
 
 UNPAUSE_TIMEOUT_S = 5.0
 STOPPED_TIMEOUT_S = 30.0
+KERNEL_KILL_WAIT_S = 5.0
+"""Processes still in the cgroup this long after the SIGKILL (e.g. held ptrace-stopped by a hung
+CRIU): Docker's kill and wait (``STOPPED_TIMEOUT_S``) take over."""
 
 
 def sandbox_containers(client: docker.DockerClient, sandbox_name: str, *,
@@ -158,7 +161,7 @@ def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str, d
             if info["State"].get("Running"):
                 # the kernel's kill (~10 ms) rather than Docker's (~200 ms: it waits for its
                 # own bookkeeping); Docker's when the cgroup cannot be read here
-                dead = freezer.kill_all(cid, info["State"].get("Pid", 0), STOPPED_TIMEOUT_S)
+                dead = freezer.kill_all(cid, info["State"].get("Pid", 0), KERNEL_KILL_WAIT_S)
                 if not dead:
                     client.api.kill(cid)
             if not info["Name"].lstrip("/").startswith(f"{sandbox_name}-fenced-"):
