@@ -27,6 +27,7 @@ from pydantic import ConfigDict, Field
 
 from belayer.errors import ConfigError, InfraError, SandboxLost, UsageError
 from belayer.procfs import read_stat
+from belayer_env.checkpoint.restore import wait_cleaned
 from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
 from belayer_env.docker_api import connect
@@ -245,6 +246,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         with self._one_thread("close"):
             self.checkpointer.close()
             self._fence()
+            wait_cleaned()  # the restores' spent copies, deleted on threads
             self.sandbox = None
             self._done = True
             super().close()

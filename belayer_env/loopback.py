@@ -89,7 +89,13 @@ def install(conf: Path | None = None) -> str:
 
 
 def _write(path: Path, text: str, mode: int) -> None:
-    """Atomic write (a restore running meanwhile reads the old or the new file, never half)."""
+    """Atomic write (a restore running meanwhile reads the old or the new file, never half);
+    a file that already says ``text`` with ``mode`` is left alone."""
+    try:
+        if path.read_text() == text and (path.stat().st_mode & 0o7777) == mode:
+            return
+    except OSError:
+        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -187,13 +188,16 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             raise RestoreFailed(f"checkpoint {ck.id}: file-system layer unusable: {e}", checkpoint=ck.id) from e
         raise RestoreFailed(f"restore of checkpoint {ck.id} failed: {_short(e)}", checkpoint=ck.id) from e
     finally:
-        if images_dir is not None:  # restored (or failed): CRIU has read them; free the disk
-            shutil.rmtree(images_dir, ignore_errors=True)
-        for part in (fs, runtime_images):
-            if part is not None:
-                part.discard()
-        if staged is not None:
-            shutil.rmtree(staged, ignore_errors=True)
+        # restored (or failed): CRIU has read the images; the unpacked copies are spent.
+        # Deleting them (thousands of files for a copied layer: seconds under load) is not
+        # part of a successful restore: a thread does it (``wait_cleaned``); a failed one
+        # cleans up before it raises
+        spent = [p for p in (images_dir, staged) if p is not None]
+        parts = [p for p in (fs, runtime_images) if p is not None]
+        if sys.exc_info()[0] is None:
+            _clean_later(spent, parts)
+        else:
+            _clean(spent, parts)
         fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
     sandbox = DockerSandbox.attach(cid, ck.config, target, client)
     sandbox.restored_from = ck.id
@@ -270,6 +274,47 @@ class _Staged:
             self._thread.join()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+
+
+_cleaning: set[threading.Thread] = set()
+_cleaning_lock = threading.Lock()
+
+
+def _clean(paths: list[Path], parts: list[_Staged]) -> None:
+    for part in parts:
+        part.discard()
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _clean_later(paths: list[Path], parts: list[_Staged]) -> None:
+    def run() -> None:
+        try:
+            _clean(paths, parts)
+        finally:
+            with _cleaning_lock:
+                _cleaning.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, daemon=True, name="belayer-restore-clean")
+    with _cleaning_lock:
+        _cleaning.add(thread)
+    thread.start()
+
+
+def wait_cleaned(timeout_s: float = 120.0) -> bool:
+    """Wait for this process's restores to finish deleting their spent copies (``env.close``,
+    tests); True when none is left. What a dying process leaves is removed by the next
+    restore or prestage (``prestaging.clean_dead_staging``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _cleaning_lock:
+            threads = list(_cleaning)
+        if not threads:
+            return True
+        threads[0].join(max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            with _cleaning_lock:
+                return not _cleaning
 
 
 def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> list[str]:

@@ -22,7 +22,7 @@ import pytest
 from belayer.errors import InfraError, RestoreFailed, UsageError
 from belayer_env.checkpoint import full_checkpoint, full_restore, prestage
 from belayer_env.checkpoint.prestaging import LAYER_IMAGE, PREFIX, docker_root, docker_tmp
-from belayer_env.checkpoint.restore import RESTORE_NAME
+from belayer_env.checkpoint.restore import RESTORE_NAME, wait_cleaned
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.disk import layer_dir
 from belayer_env.gc import list_managed, reap
@@ -54,6 +54,7 @@ def containers_of(client, name: str, **filters) -> list[dict]:
 
 
 def leftovers_in_tmp(client) -> list[Path]:
+    assert wait_cleaned(), "a restore's clean-up thread did not finish"  # spent copies go on a thread
     return [d for d in docker_tmp(client).glob(f"{PREFIX}*~{owner_tag()}") if "-staged-" not in d.name]
 
 
