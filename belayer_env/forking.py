@@ -74,11 +74,17 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
     images_job = None
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="belayer-fork-images") as one:
-            # the CRIU images verified once for all forks, beside the layer's unpack
+            # the CRIU images verified once for all forks, and the layer unpacked once, both
+            # while the forks' containers are created; each fork starts once both are verified
             images_job = one.submit(_verified_images, checkpoint, client, data) if checkpoint.has_runtime else None
             with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
-                images = images_job.result() if images_job is not None else None
-                return _restore_all(checkpoint, client, names, parallel, shared, images)
+                try:
+                    return _restore_all(checkpoint, client, names, parallel, shared, images_job)
+                except RestoreFailed as e:
+                    if not isinstance(e.__cause__, shared_layer.Unshareable):
+                        raise
+            # hardlinked files (learnt while unpacking): every fork was fenced; a copy each
+            return _restore_all(checkpoint, client, names, parallel, None, images_job)
     except layer.LayerError as e:
         raise RestoreFailed(f"checkpoint {checkpoint.id}: file-system layer unusable: {e}",
                             checkpoint=checkpoint.id) from e
@@ -103,7 +109,8 @@ def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: 
 
 
 def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,
-                 shared: shared_layer.SharedLower | None, images: Path | None = None) -> list[DockerSandbox]:
+                 shared: shared_layer.SharedLower | None,
+                 images: concurrent.futures.Future[Path] | None = None) -> list[DockerSandbox]:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
                                                thread_name_prefix="belayer-fork") as pool:
         futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
