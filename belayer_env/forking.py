@@ -48,11 +48,15 @@ def fork_name(checkpoint: Checkpoint, index: int) -> str:
 
 
 def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
-         names: list[str] | None = None, parallel: int = 8, share: bool = True) -> list[DockerSandbox]:
+         names: list[str] | None = None, parallel: int = 8, share: bool = True,
+         fresh_names: bool = False) -> list[DockerSandbox]:
     """Restore ``checkpoint`` ``n`` times into new sandboxes; all or none.
 
     ``share``: the forks share the checkpoint's layer copy-on-write (module docstring);
     each fork's ``.shared_lower`` names the shared copy (None: a copy of its own).
+    ``names``: the forks' sandbox names (default: generated, a random suffix each); every
+    container already holding one is fenced first, unless ``fresh_names`` says none can
+    (random names, as generated ones are: a restore that finds one taken fails instead).
     Raises ``RestoreFailed`` (the first failure) after fencing every fork already made; the
     sandbox the checkpoint was taken from is never touched.
     """
@@ -61,9 +65,10 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
     if names is not None and (len(names) != n or len(set(names)) != n or checkpoint.sandbox in names):
         raise UsageError("names must be n distinct sandbox names, none the checkpoint's own")
     client = client or connect(checkpoint.config.docker_host)
+    generated = names is None or fresh_names  # no container holds them: nothing to fence first
     names = names or [fork_name(checkpoint, i) for i in range(n)]
     if not share:
-        return _restore_all(checkpoint, client, names, parallel, None)
+        return _restore_all(checkpoint, client, names, parallel, None, fence_first=not generated)
     root = prestaging.docker_root(client)
     with contextlib.suppress(Exception):  # best effort: copies no container uses any more
         shared_layer.sweep(client, root)
@@ -79,12 +84,12 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
             images_job = one.submit(_verified_images, checkpoint, client, data) if checkpoint.has_runtime else None
             with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
                 try:
-                    return _restore_all(checkpoint, client, names, parallel, shared, images_job)
+                    return _restore_all(checkpoint, client, names, parallel, shared, images_job, not generated)
                 except RestoreFailed as e:
                     if not isinstance(e.__cause__, shared_layer.Unshareable):
                         raise
             # hardlinked files (learnt while unpacking): every fork was fenced; a copy each
-            return _restore_all(checkpoint, client, names, parallel, None, images_job)
+            return _restore_all(checkpoint, client, names, parallel, None, images_job, not generated)
     except layer.LayerError as e:
         raise RestoreFailed(f"checkpoint {checkpoint.id}: file-system layer unusable: {e}",
                             checkpoint=checkpoint.id) from e
@@ -110,11 +115,12 @@ def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: 
 
 def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,
                  shared: shared_layer.SharedLower | None,
-                 images: concurrent.futures.Future[Path] | None = None) -> list[DockerSandbox]:
+                 images: concurrent.futures.Future[Path] | None = None,
+                 fence_first: bool = True) -> list[DockerSandbox]:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
                                                thread_name_prefix="belayer-fork") as pool:
         futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
-                               verified_images=images)
+                               verified_images=images, fence_first=fence_first)
                    for name in names]
         concurrent.futures.wait(futures)
     forks = [f.result() for f in futures if f.exception() is None]
@@ -145,7 +151,7 @@ def fork_env(env: RecoverableSandboxEnv, n: int) -> list[RecoverableSandboxEnv]:
     k = len(env.trajectory.steps)
     ck = env.checkpointer.boundary_checkpoint(env.sandbox, k, SETTLE_S)
     names = [env._new_name() for _ in range(n)]
-    sandboxes = fork(ck, n, client=env.client, names=names)
+    sandboxes = fork(ck, n, client=env.client, names=names, fresh_names=True)
     children = []
     for sandbox in sandboxes:
         child = RecoverableSandboxEnv(env.config, checkpoint_policy=copy.deepcopy(env.policy),

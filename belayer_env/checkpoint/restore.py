@@ -66,7 +66,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                  phase_hook: PhaseHook | None = None, name: str | None = None,
                  use_staged: bool = True, images: Images | None = None,
                  shared: shared_layer.SharedLower | None = None,
-                 verified_images: Path | concurrent.futures.Future[Path] | None = None) -> DockerSandbox:
+                 verified_images: Path | concurrent.futures.Future[Path] | None = None,
+                 fence_first: bool = True) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
@@ -78,6 +79,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     ``verified_images`` may still be being verified: nothing starts before both are.
     ``verified_images``: a directory (or the future of one) of the checkpoint's runtime images
     verified against this manifest (``fork``: once for all forks); hardlinked, not hashed again.
+    ``fence_first=False``: no container can hold ``name`` (``fork``'s generated names, a
+    random suffix each), so none is listed and killed first (if one did, taking the name fails).
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -128,7 +131,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # listing, which runs alongside the create, leaves out only that name); it takes the
         # sandbox's name, and starts, only once every one of them is dead
         new_name = f"{target}-restoring-{uuid.uuid4().hex[:8]}"
-        killing = _Background(_fence_all_but, client, target, new_name)
+        killing = _Background(_fence_all_but if fence_first else _nothing, client, target, new_name)
         # the linked images directory is made while Docker creates the container (~30 links
         # + a nonce, tens of ms under load): then it goes into place with one rename
         link_dir = tmp / f"{prestaging.PREFIX}{uuid.uuid4().hex[:12]}~{owner_tag()}"
@@ -282,6 +285,10 @@ def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> l
     listed = fence.sandbox_containers(client, target, by_name=True)
     return fence.kill_listed(client, target, [c for c in listed if f"/{new_name}" not in (c.get("Names") or ())],
                              docker_view=False)  # dead is enough to start; Docker's view: after the start
+
+
+def _nothing(*_args: Any) -> list[str]:
+    return []
 
 
 def _nonce(images_dir: Path) -> None:
