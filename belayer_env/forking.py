@@ -12,6 +12,12 @@ how, what differs, lifetime). Not shared, each fork unpacking its own copy as a 
 restore does: ``share=False``, or a layer with hardlinked files. The CRIU images are
 verified once (hardlinked from the store onto Docker's disk and hashed, beside the layer's
 unpack) and hardlinked from there into every fork (read only).
+
+Order (docs/checkpoint.md, "Fork": where the time goes): the layer's unpack + verify and
+the images' verify start on threads, and the forks' containers (with their disk caps)
+are created meanwhile, side by side; each fork waits for both to be verified before it
+takes its name and starts. A fork's name is new (generated, or ``fresh_names``), so
+nothing is fenced before; a failure anywhere fences every fork made (all or none).
 """
 
 from __future__ import annotations
