@@ -38,7 +38,8 @@ checkpoints are forked with a copy each.
 A disk-capped sandbox (``belayer_env.disk``) shares too: its fork's upperdir is on a
 capped file system of its own, the shared layer is not, so the cap bounds what the fork
 writes itself (the checkpoint's layer is not counted again per fork); the host's disk is
-protected as before (every writer is capped, the shared copy is written once).
+protected as before (every writer is capped, the shared copy is written once, or is in
+memory, bounded by its tmpfs cap).
 
 A checkpoint of a fork records the shared layer merged with the fork's upperdir
 (``tar_merged``): upper entries replace lower ones, upper whiteouts and non-directories
