@@ -364,8 +364,16 @@ def _result(src: Path | concurrent.futures.Future[Path]) -> Path:
 
 
 def _link_all(src: Path, dest: Path) -> None:
+    """Hardlink every file of ``src`` into ``dest``; symlink where ``src`` is another file
+    system (``fork``'s in-memory images: ``link_into`` resolves the links, and ``src``
+    outlives every fork's restore)."""
     for f in src.iterdir():
-        os.link(f, dest / f.name)
+        try:
+            os.link(f, dest / f.name)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            os.symlink(f, dest / f.name)
 
 
 def _wait_running(client: docker.DockerClient, cid: str, ck: Checkpoint, *, loopback_hook: bool) -> None:

@@ -266,14 +266,18 @@ def memory_cap(tar_bytes: int) -> int | None:
     is the layer's unpacked size in host memory while a fork uses it (tmpfs pages of small
     files: up to 4 KiB each, hence the cap of 4x the tar's size); bounded by the cap, by
     ``MEMORY_MAX_BYTES`` and by 1/8 of ``MemAvailable``."""
-    if LOWER_MODE == "disk" or os.geteuid() != 0:
+    if tar_bytes > MEMORY_MAX_BYTES and LOWER_MODE != "memory":
         return None
     cap = 4 * tar_bytes + (16 << 20)
-    if LOWER_MODE == "memory":
-        return cap
-    if tar_bytes > MEMORY_MAX_BYTES or cap > _mem_available() // 8:
-        return None
-    return cap
+    return cap if memory_allowed(cap) else None
+
+
+def memory_allowed(cap: int) -> bool:
+    """Whether a tmpfs of ``cap`` bytes may hold fork data (``LOWER_MODE``; at most 1/8 of
+    the host's available memory under ``auto``; root only: it is a mount)."""
+    if LOWER_MODE == "disk" or os.geteuid() != 0:
+        return False
+    return LOWER_MODE == "memory" or cap <= _mem_available() // 8
 
 
 def _mem_available() -> int:
@@ -297,7 +301,7 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
         src = Path(ck.path) / "layer.tar"
         cap = memory_cap(src.stat().st_size)
         if cap is not None:
-            _mount_tmpfs(tmp / "diff", cap)
+            mount_tmpfs(tmp / "diff", cap)
             (tmp / IN_MEMORY).write_text(f"{cap}\n")
         try:
             layer.install(src, tmp / "diff", manifest["files"]["layer.tar"])
@@ -305,7 +309,7 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
             if cap is None:
                 raise
             # full (a layer of many tiny files?) or corrupt: once more, on disk, to know which
-            _umount(tmp / "diff")
+            umount(tmp / "diff")
             (tmp / IN_MEMORY).unlink()
             shutil.rmtree(tmp / "diff")
             (tmp / "diff").mkdir(mode=0o755)
@@ -316,7 +320,7 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
         listing = [e for e in proc.stdout.split(b"\0") if e]
         if any(e[:1] == b"f" and int(e.split(b" ", 2)[1]) > 1 for e in listing):
             (tmp / "unshareable").write_text("hardlinked files\n")
-            _umount(tmp / "diff")
+            umount(tmp / "diff")
             (tmp / IN_MEMORY).unlink(missing_ok=True)
             shutil.rmtree(tmp / "diff")
         else:
@@ -343,14 +347,15 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
     return fd
 
 
-def _mount_tmpfs(path: Path, size: int) -> None:
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "belayer-lower", str(path)],
+def mount_tmpfs(path: Path, size: int, mode: str = "0755") -> None:
+    """A tmpfs of ``size`` bytes at ``path`` (``LayerError`` if the mount fails)."""
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "belayer-fork", str(path)],
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise layer.LayerError(f"mounting a tmpfs at {path} failed: {p.stderr.strip()[-300:]}")
 
 
-def _umount(path: Path) -> None:
+def umount(path: Path) -> None:
     """Unmount ``path`` if it is a mount point (lazily if busy: its memory goes with its last user)."""
     if not os.path.ismount(path):
         return
@@ -361,7 +366,7 @@ def _umount(path: Path) -> None:
 def _rmtree(path: Path) -> None:
     """Remove a shared copy (made or half made), its tmpfs unmounted first."""
     with contextlib.suppress(OSError):
-        _umount(path / "diff")
+        umount(path / "diff")
     shutil.rmtree(path, ignore_errors=True)
 
 
