@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shutil
 import sys
 import tempfile
 import threading
@@ -126,27 +127,36 @@ def main() -> int:
     instrument()
     client = connect()
     run_id = uuid.uuid4().hex[:8]
-    store = CheckpointStore(Path(tempfile.mkdtemp(prefix="belayer-forkprof-", dir="/var/tmp")), keep=2)
-    for scen in args.scenarios.split(","):
-        sb = bench.bench_sandbox(client, scen, run_id)
-        try:
-            for i in range(args.rounds):
-                sb.execute(bench.STEP.format(i=i))
-                ck = full_checkpoint(sb, store)
-                SPANS.clear()
-                t0 = time.monotonic()
-                kw = {"parallel": args.parallel} if args.parallel else {}
-                forks = forking.fork(ck, args.fork_n, client=client, **kw)
-                total = time.monotonic() - t0
-                print(f"\n{scen} round {i + 1}: checkpoint {ck.size_bytes / 1e6:.1f} MB")
-                report(t0, total, args.quiet)
-                for f in forks:
-                    assert f.is_alive(), f.name
-                    fence(client, f.name, background=False)
-                sweep_shared_layers(client)
-        finally:
-            fence(client, sb.name, background=False)
+    store_dir = Path(tempfile.mkdtemp(prefix="belayer-forkprof-", dir="/var/tmp"))
+    store = CheckpointStore(store_dir, keep=2)
+    try:
+        for scen in args.scenarios.split(","):
+            profile(client, store, scen, run_id, args)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
     return 0
+
+
+def profile(client, store: CheckpointStore, scen: str, run_id: str, args: argparse.Namespace) -> None:
+    """``args.rounds`` x (a step, a capture, ``fork(ck, n)`` timed and reported, clean-up)."""
+    sb = bench.bench_sandbox(client, scen, run_id)
+    try:
+        for i in range(args.rounds):
+            sb.execute(bench.STEP.format(i=i))
+            ck = full_checkpoint(sb, store)
+            SPANS.clear()
+            t0 = time.monotonic()
+            kw = {"parallel": args.parallel} if args.parallel else {}
+            forks = forking.fork(ck, args.fork_n, client=client, **kw)
+            total = time.monotonic() - t0
+            print(f"\n{scen} round {i + 1}: checkpoint {ck.size_bytes / 1e6:.1f} MB")
+            report(t0, total, args.quiet)
+            for f in forks:
+                assert f.is_alive(), f.name
+                fence(client, f.name, background=False)
+            sweep_shared_layers(client)
+    finally:
+        fence(client, sb.name, background=False)
 
 
 if __name__ == "__main__":
