@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +308,31 @@ def test_a_corrupt_checkpoint_forks_into_nothing(make_sandbox, ck_store, docker_
         assert not docker_client.api.containers(all=True, filters={"name": f"{name}-restoring"})
     assert src.is_alive() and src.execute("cat /w/f")["output"] == "1\n"
     sweep_shared_layers(docker_client)
+
+
+KILLED_AFTER_IMAGES = """
+import os, signal, sys
+from pathlib import Path
+from belayer_env import forking
+from belayer_env.checkpoint import CheckpointStore
+from belayer_env.checkpoint.manifest import read_manifest_digest
+from belayer_env.docker_api import connect
+ck = CheckpointStore(Path(sys.argv[1])).get(sys.argv[2])
+data, _ = read_manifest_digest(Path(ck.path))
+print(forking._verified_images(ck, connect(), data), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_gc_reaps_the_images_a_killed_forker_left_in_memory(make_sandbox, ck_store, docker_client):
+    src = make_sandbox()
+    ck = full_checkpoint(src, ck_store, 1)
+    p = subprocess.run([sys.executable, "-c", KILLED_AFTER_IMAGES, str(ck_store.path), ck.id], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    left = Path(p.stdout.strip())
+    assert left.is_dir() and any(left.iterdir())
+    if shared_layer.memory_allowed(1 << 20):
+        assert _mounted(left)  # the verified images in a tmpfs of their own
+    sweep_shared_layers(docker_client)  # what `belayer gc` runs
+    assert not left.exists() and not _mounted(left)
