@@ -119,7 +119,7 @@ def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: 
     try:
         d.mkdir(mode=0o700, parents=True)
         if DEFAULT_IMAGES == "linked" and shared_layer.memory_allowed(cap):
-            shared_layer.mount_tmpfs(d, cap, mode="0700")  # the forks symlink to it (restore._link_all)
+            shared_layer.try_mount_tmpfs(d, cap, mode="0700")  # the forks symlink to it (restore._link_all)
         runtime.install(Path(checkpoint.path), data["files"], d)
     except BaseException:
         _discard_images(d)

@@ -13,8 +13,8 @@ link (dangling until the copy is published); no fork starts before the copy is v
 
 Where: its ``diff`` is a tmpfs of its own when the layer fits (``memory_cap``: the tar's
 size at most ``MEMORY_MAX_BYTES`` and its cap, 4x the tar, at most 1/8 of the host's
-available memory; ``$BELAYER_FORK_LOWER``: ``auto``, ``memory``, ``disk``), else a
-directory on Docker's disk. Creating a few thousand files on Docker's ext4 took 0.4-4 s
+available memory; ``$BELAYER_FORK_LOWER``: ``auto``, ``memory``, ``disk``), else (or
+when no tmpfs can be mounted, or the layer overflows it) a directory on Docker's disk. Creating a few thousand files on Docker's ext4 took 0.4-4 s
 on the dev VM (and varied with what else wrote to it), into tmpfs about 0.1 s; the
 price is the layer's unpacked size in host memory while a fork uses it.
 
@@ -300,9 +300,10 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
         (tmp / "diff").mkdir(mode=0o755)
         src = Path(ck.path) / "layer.tar"
         cap = memory_cap(src.stat().st_size)
-        if cap is not None:
-            mount_tmpfs(tmp / "diff", cap)
+        if cap is not None and try_mount_tmpfs(tmp / "diff", cap):
             (tmp / IN_MEMORY).write_text(f"{cap}\n")
+        else:
+            cap = None
         try:
             layer.install(src, tmp / "diff", manifest["files"]["layer.tar"])
         except layer.LayerError:
@@ -347,12 +348,14 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
     return fd
 
 
-def mount_tmpfs(path: Path, size: int, mode: str = "0755") -> None:
-    """A tmpfs of ``size`` bytes at ``path`` (``LayerError`` if the mount fails)."""
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "belayer-fork", str(path)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        raise layer.LayerError(f"mounting a tmpfs at {path} failed: {p.stderr.strip()[-300:]}")
+def try_mount_tmpfs(path: Path, size: int, mode: str = "0755") -> bool:
+    """A tmpfs of ``size`` bytes at ``path``; False if it cannot be mounted (then: disk)."""
+    try:
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "belayer-fork", str(path)],
+                           capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return p.returncode == 0
 
 
 def umount(path: Path) -> None:
