@@ -12,6 +12,12 @@ how, what differs, lifetime). Not shared, each fork unpacking its own copy as a 
 restore does: ``share=False``, or a layer with hardlinked files. The CRIU images are
 verified once (hardlinked from the store onto Docker's disk and hashed, beside the layer's
 unpack) and hardlinked from there into every fork (read only).
+
+Order (docs/checkpoint.md, "Fork": where the time goes): the layer's unpack + verify and
+the images' verify start on threads, and the forks' containers (with their disk caps)
+are created meanwhile, side by side; each fork waits for both to be verified before it
+takes its name and starts. A fork's name is new (generated, or ``fresh_names``), so
+nothing is fenced before; a failure anywhere fences every fork made (all or none).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import docker
 from belayer.errors import RestoreFailed, UsageError
 from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
-from belayer_env.checkpoint.restore import full_restore
+from belayer_env.checkpoint.restore import DEFAULT_IMAGES, full_restore
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence
@@ -48,11 +54,15 @@ def fork_name(checkpoint: Checkpoint, index: int) -> str:
 
 
 def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
-         names: list[str] | None = None, parallel: int = 8, share: bool = True) -> list[DockerSandbox]:
+         names: list[str] | None = None, parallel: int = 8, share: bool = True,
+         fresh_names: bool = False) -> list[DockerSandbox]:
     """Restore ``checkpoint`` ``n`` times into new sandboxes; all or none.
 
     ``share``: the forks share the checkpoint's layer copy-on-write (module docstring);
     each fork's ``.shared_lower`` names the shared copy (None: a copy of its own).
+    ``names``: the forks' sandbox names (default: generated, a random suffix each); every
+    container already holding one is fenced first, unless ``fresh_names`` says none can
+    (random names, as generated ones are: a restore that finds one taken fails instead).
     Raises ``RestoreFailed`` (the first failure) after fencing every fork already made; the
     sandbox the checkpoint was taken from is never touched.
     """
@@ -61,9 +71,10 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
     if names is not None and (len(names) != n or len(set(names)) != n or checkpoint.sandbox in names):
         raise UsageError("names must be n distinct sandbox names, none the checkpoint's own")
     client = client or connect(checkpoint.config.docker_host)
+    generated = names is None or fresh_names  # no container holds them: nothing to fence first
     names = names or [fork_name(checkpoint, i) for i in range(n)]
     if not share:
-        return _restore_all(checkpoint, client, names, parallel, None)
+        return _restore_all(checkpoint, client, names, parallel, None, fence_first=not generated)
     root = prestaging.docker_root(client)
     with contextlib.suppress(Exception):  # best effort: copies no container uses any more
         shared_layer.sweep(client, root)
@@ -74,11 +85,17 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
     images_job = None
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="belayer-fork-images") as one:
-            # the CRIU images verified once for all forks, beside the layer's unpack
+            # the CRIU images verified once for all forks, and the layer unpacked once, both
+            # while the forks' containers are created; each fork starts once both are verified
             images_job = one.submit(_verified_images, checkpoint, client, data) if checkpoint.has_runtime else None
             with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
-                images = images_job.result() if images_job is not None else None
-                return _restore_all(checkpoint, client, names, parallel, shared, images)
+                try:
+                    return _restore_all(checkpoint, client, names, parallel, shared, images_job, not generated)
+                except RestoreFailed as e:
+                    if not isinstance(e.__cause__, shared_layer.Unshareable):
+                        raise
+            # hardlinked files (learnt while unpacking): every fork was fenced; a copy each
+            return _restore_all(checkpoint, client, names, parallel, None, images_job, not generated)
     except layer.LayerError as e:
         raise RestoreFailed(f"checkpoint {checkpoint.id}: file-system layer unusable: {e}",
                             checkpoint=checkpoint.id) from e
@@ -87,27 +104,43 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
                             checkpoint=checkpoint.id) from e
     finally:  # every fork has linked its own (or failed): the shared verified copy goes
         if images_job is not None and images_job.done() and images_job.exception() is None:
-            shutil.rmtree(images_job.result(), ignore_errors=True)
+            _discard_images(images_job.result())
 
 
 def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: dict[str, Any]) -> Path:
-    """The checkpoint's runtime images hardlinked (else copied) onto Docker's disk and
-    checked against the manifest, under a name ``clean_dead_staging`` reaps if we die."""
+    """The checkpoint's runtime images copied (hardlinked where the store shares Docker's
+    file system) and checked against the manifest, under a name ``clean_dead_staging``
+    reaps if we die. With linked images (the default) the copy is a tmpfs of its own where
+    it fits (``shared_layer.memory_allowed``): a store outside Docker's file system (a bind
+    mount here) meant writing every page image onto Docker's disk on each fork, 0.24-0.4 s
+    of the heavy fork; the memory is held until the forks run (``_discard_images``)."""
     d = prestaging.docker_tmp(client) / f"{prestaging.PREFIX}fork-{uuid.uuid4().hex[:12]}~{owner_tag()}"
+    cap = sum(m["size"] for rel, m in data["files"].items() if rel.startswith("runtime/")) + (8 << 20)
     try:
+        d.mkdir(mode=0o700, parents=True)
+        if DEFAULT_IMAGES == "linked" and shared_layer.memory_allowed(cap):
+            shared_layer.try_mount_tmpfs(d, cap, mode="0700")  # the forks symlink to it (restore._link_all)
         runtime.install(Path(checkpoint.path), data["files"], d)
     except BaseException:
-        shutil.rmtree(d, ignore_errors=True)
+        _discard_images(d)
         raise
     return d
 
 
+def _discard_images(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        shared_layer.umount(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,
-                 shared: shared_layer.SharedLower | None, images: Path | None = None) -> list[DockerSandbox]:
+                 shared: shared_layer.SharedLower | None,
+                 images: concurrent.futures.Future[Path] | None = None,
+                 fence_first: bool = True) -> list[DockerSandbox]:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
                                                thread_name_prefix="belayer-fork") as pool:
         futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
-                               verified_images=images)
+                               verified_images=images, fence_first=fence_first)
                    for name in names]
         concurrent.futures.wait(futures)
     forks = [f.result() for f in futures if f.exception() is None]
@@ -138,7 +171,7 @@ def fork_env(env: RecoverableSandboxEnv, n: int) -> list[RecoverableSandboxEnv]:
     k = len(env.trajectory.steps)
     ck = env.checkpointer.boundary_checkpoint(env.sandbox, k, SETTLE_S)
     names = [env._new_name() for _ in range(n)]
-    sandboxes = fork(ck, n, client=env.client, names=names)
+    sandboxes = fork(ck, n, client=env.client, names=names, fresh_names=True)
     children = []
     for sandbox in sandboxes:
         child = RecoverableSandboxEnv(env.config, checkpoint_policy=copy.deepcopy(env.policy),

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import subprocess
 import threading
 import time
 import uuid
@@ -188,6 +190,8 @@ def clean_dead_staging(tmp: Path) -> None:
     with contextlib.suppress(OSError):
         for d in tmp.glob(f"{PREFIX}*"):
             if not owner_alive(d.name):
+                if os.path.ismount(d):  # a fork's in-memory images (``forking._verified_images``)
+                    subprocess.run(["umount", "-l", str(d)], capture_output=True)
                 shutil.rmtree(d, ignore_errors=True)
 
 

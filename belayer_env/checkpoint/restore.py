@@ -28,6 +28,7 @@ running container.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
 import shutil
@@ -66,16 +67,21 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                  phase_hook: PhaseHook | None = None, name: str | None = None,
                  use_staged: bool = True, images: Images | None = None,
                  shared: shared_layer.SharedLower | None = None,
-                 verified_images: Path | None = None) -> DockerSandbox:
+                 verified_images: Path | concurrent.futures.Future[Path] | None = None,
+                 fence_first: bool = True) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
     ``fork`` and the standby use). ``use_staged=False`` leaves a pre-staged copy for the
     sandbox's own restore. ``images``: how the CRIU images reach CRIU (module docstring).
-    ``shared``: the checkpoint's layer already unpacked as a shared lower layer (``fork``):
-    the container gets it as its top lower layer and an empty upperdir (``shared_layer``).
-    ``verified_images``: a directory of the checkpoint's runtime images already verified
-    against this manifest (``fork``: once for all forks); they are hardlinked, not hashed again.
+    ``shared``: the checkpoint's layer unpacked as a shared lower layer (``fork``): the
+    container gets it as its top lower layer and an empty upperdir (``shared_layer``); a
+    fork's name is new, so its container is created while that layer (``wait_ready``) and
+    ``verified_images`` may still be being verified: nothing starts before both are.
+    ``verified_images``: a directory (or the future of one) of the checkpoint's runtime images
+    verified against this manifest (``fork``: once for all forks); hardlinked, not hashed again.
+    ``fence_first=False``: no container can hold ``name`` (``fork``'s generated names, a
+    random suffix each), so none is listed and killed first (if one did, taking the name fails).
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -112,21 +118,21 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # into place with one rename (the layer: not when it is a shared lower layer)
         fs = None if shared is not None else _Staged(ck, "file-system layer", tmp, lambda d: layer.install(
             Path(ck.path) / "layer.tar", d, data["files"]["layer.tar"]))
-        fill_images = ((lambda d: _link_all(verified_images, d)) if verified_images is not None else
+        fill_images = ((lambda d: _link_all(_result(verified_images), d)) if verified_images is not None else
                        (lambda d: runtime.install(Path(ck.path), data["files"], d)))
         runtime_images = _Staged(ck, "runtime images", tmp, fill_images) if ck.has_runtime else None
     cid, fenced, degraded = None, [], not ck.has_runtime
     images_dir: Path | None = None
     try:
-        for part in (fs, runtime_images):
+        for part in (fs, runtime_images) if shared is None or target == ck.sandbox else ():
             if part is not None:
-                part.verified()  # before anything touches the sandbox of that name
+                part.verified()  # before anything touches the sandbox of that name (a fork's is new)
         # the old containers are listed and die while the new one is created and filled under
         # a name of its own (labelled as ``target``: found by the fence from then on, so the
         # listing, which runs alongside the create, leaves out only that name); it takes the
         # sandbox's name, and starts, only once every one of them is dead
         new_name = f"{target}-restoring-{uuid.uuid4().hex[:8]}"
-        killing = _Background(_fence_all_but, client, target, new_name)
+        killing = _Background(_fence_all_but if fence_first else _nothing, client, target, new_name)
         # the linked images directory is made while Docker creates the container (~30 links
         # + a nonce, tens of ms under load): then it goes into place with one rename
         link_dir = tmp / f"{prestaging.PREFIX}{uuid.uuid4().hex[:12]}~{owner_tag()}"
@@ -137,6 +143,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             hook(Phase.CREATED)
             if fs is not None:
                 fs.move_to(layer.upper_dir(info))
+            elif shared is not None:
+                shared.wait_ready()  # unpacked and verified (made beside the creates: ``fork``)
             layer_ns = time.time_ns()  # the whole layer is in place (moved or mounted), nothing of the container ran yet
             hook(Phase.LAYER_INSTALLED)
             if runtime_images is not None:
@@ -324,6 +332,10 @@ def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> l
                              docker_view=False)  # dead is enough to start; Docker's view: after the start
 
 
+def _nothing(*_args: Any) -> list[str]:
+    return []
+
+
 def _nonce(images_dir: Path) -> None:
     """Docker uploads the checkpoint directory to containerd's content store by digest: two
     restores of one checkpoint at once (fork) would collide ("already exists")."""
@@ -392,9 +404,21 @@ class _Background:
         return self._value
 
 
+def _result(src: Path | concurrent.futures.Future[Path]) -> Path:
+    return src.result() if isinstance(src, concurrent.futures.Future) else src
+
+
 def _link_all(src: Path, dest: Path) -> None:
+    """Hardlink every file of ``src`` into ``dest``; symlink where ``src`` is another file
+    system (``fork``'s in-memory images: ``link_into`` resolves the links, and ``src``
+    outlives every fork's restore)."""
     for f in src.iterdir():
-        os.link(f, dest / f.name)
+        try:
+            os.link(f, dest / f.name)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            os.symlink(f, dest / f.name)
 
 
 def _wait_running(client: docker.DockerClient, cid: str, ck: Checkpoint, *, loopback_hook: bool) -> None:

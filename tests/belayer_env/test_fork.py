@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from belayer.cli import main as cli_main
-from belayer.errors import UsageError
+from belayer.errors import RestoreFailed, UsageError
 from belayer_env import fork
 from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestaging, shared_layer
 from belayer_env.checkpoint.manifest import read_manifest_digest
@@ -253,3 +256,83 @@ def test_uncapped_forks_share_too(make_sandbox, ck_store, docker_client):
         for f in forks:
             fence(docker_client, f.name, background=False)
     sweep_shared_layers(docker_client)
+
+
+def _mounted(path: Path) -> bool:
+    return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_the_shared_copy_in_memory_or_on_disk(make_sandbox, ck_store, docker_client, monkeypatch, where):
+    # in memory (a tmpfs of its own, the default where it fits) or on Docker's disk: the same
+    # tree in every fork, copy-on-write, and gc unmounts and removes it once unused
+    monkeypatch.setattr(shared_layer, "LOWER_MODE", where)
+    src = make_sandbox()
+    assert src.execute(ORIGIN_SETUP)["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    at_ck = tree_hash(src)
+    forks = fork(ck, 2, client=docker_client)
+    root = _shared_root(docker_client, forks[0].shared_lower)
+    try:
+        assert _mounted(root / "diff") == (where == "memory")
+        assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
+        assert forks[0].execute(FORK_WRITES)["returncode"] == 0
+        assert tree_hash(forks[1]) == at_ck and (root / "diff" / "w" / "a").read_text() == "base\n"
+    finally:
+        for f in forks:
+            fence(docker_client, f.name, background=False)
+    assert root.name in sweep_shared_layers(docker_client)
+    assert not root.exists() and not _mounted(root / "diff")
+
+
+@pytest.mark.parametrize("artifact", ["layer", "images"])
+def test_a_corrupt_checkpoint_forks_into_nothing(make_sandbox, ck_store, docker_client, artifact):
+    # the forks' containers are created while the layer and the images are verified: a
+    # disagreement with the manifest still starts nothing and leaves no fork behind
+    src = make_sandbox()
+    assert src.execute("mkdir -p /w && echo 1 > /w/f")["returncode"] == 0
+    ck = full_checkpoint(src, ck_store, 1)
+    victim = (ck.path / "layer.tar" if artifact == "layer" else
+              max((ck.path / "runtime").glob("pages-*.img"), key=lambda p: p.stat().st_size))
+    with open(victim, "r+b") as f:
+        f.seek(600)
+        byte = f.read(1)
+        f.seek(600)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    names = [f"{src.name}-bad{i}" for i in range(3)]
+    with pytest.raises(RestoreFailed) as e:
+        fork(ck, 3, client=docker_client, names=names, fresh_names=True)
+    assert e.value.checkpoint == ck.id
+    for name in names:
+        assert not sandbox_containers(docker_client, name, by_name=True)
+        assert not docker_client.api.containers(all=True, filters={"name": f"{name}-restoring"})
+    assert src.is_alive() and src.execute("cat /w/f")["output"] == "1\n"
+    sweep_shared_layers(docker_client)
+
+
+KILLED_AFTER_IMAGES = """
+import os, signal, sys
+from pathlib import Path
+from belayer_env import forking
+from belayer_env.checkpoint import CheckpointStore
+from belayer_env.checkpoint.manifest import read_manifest_digest
+from belayer_env.docker_api import connect
+ck = CheckpointStore(Path(sys.argv[1])).get(sys.argv[2])
+data, _ = read_manifest_digest(Path(ck.path))
+print(forking._verified_images(ck, connect(), data), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_gc_reaps_the_images_a_killed_forker_left_in_memory(make_sandbox, ck_store, docker_client):
+    src = make_sandbox()
+    ck = full_checkpoint(src, ck_store, 1)
+    p = subprocess.run([sys.executable, "-c", KILLED_AFTER_IMAGES, str(ck_store.path), ck.id], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    left = Path(p.stdout.strip())
+    assert left.is_dir() and any(left.iterdir())
+    if shared_layer.memory_allowed(1 << 20):
+        assert _mounted(left)  # the verified images in a tmpfs of their own
+    sweep_shared_layers(docker_client)  # what `belayer gc` runs
+    assert not left.exists() and not _mounted(left)
