@@ -43,6 +43,7 @@ import docker
 from belayer.errors import InfraError
 from belayer_env import disk
 from belayer_env.checkpoint import layer, runtime
+from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_alive, owner_tag
 from belayer_env.docker_api import connect, translate_errors
@@ -99,6 +100,8 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
             return None
         work = tmp / f"{FILLING}{uuid.uuid4().hex[:12]}~{owner_tag()}"
         work.mkdir(mode=0o700, parents=True)
+        images = Background(runtime.install, Path(ck.path), data["files"], work / "images", link=False,
+                            name="belayer-prestage-images")  # own bytes
         try:
             size = ck.config.disk_bytes
             fsroot = work / "fsroot" if size is not None else work
@@ -109,9 +112,9 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
                 (fsroot / "layer").rename(fsroot / "diff")
                 (fsroot / "work").mkdir(mode=0o700)
                 disk.prepare_layer_image(fsroot, work / LAYER_IMAGE, size)
-                shutil.rmtree(fsroot)
+                _remove_aside(fsroot, tmp)  # thousands of files: seconds under load, not waited for
             hook(Phase.LAYER_UNPACKED)
-            runtime.install(Path(ck.path), data["files"], work / "images", link=False)  # own bytes
+            images.result()  # verified alongside the layer
             hook(Phase.IMAGES_VERIFIED)
             (work / RECORD).write_text(json.dumps({"id": ck.id, "sandbox": ck.sandbox, "created": ck.created,
                                                    "path": str(ck.path), "manifest_sha256": digest,
@@ -121,6 +124,7 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
         except (OSError, layer.LayerError, runtime.CriuError, InfraError):
             return None
         finally:
+            images.join()
             shutil.rmtree(work, ignore_errors=True)  # gone already when renamed
         hook(Phase.STAGED)
         _drop_older(tmp, ck.sandbox)
@@ -183,6 +187,16 @@ def discard_copies(client: docker.DockerClient, ck_id: str) -> list[Path]:
             shutil.rmtree(trash, ignore_errors=True)
             gone.append(d)
     return gone
+
+
+def _remove_aside(path: Path, tmp: Path) -> None:
+    """Rename ``path`` out of the copy being staged (same file system: instant) and delete it on
+    a thread; named like any staging dir of this process, so a dying process leaves it to
+    ``clean_dead_staging``."""
+    trash = tmp / f"{PREFIX}spent-{uuid.uuid4().hex[:12]}~{owner_tag()}"
+    path.rename(trash)
+    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True,
+                     name="belayer-prestage-clean").start()
 
 
 def clean_dead_staging(tmp: Path) -> None:

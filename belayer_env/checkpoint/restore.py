@@ -45,6 +45,7 @@ import docker
 from belayer.errors import BelayerError, RestoreFailed, UsageError
 from belayer_env import disk, fence, loopback
 from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
+from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect, translate_errors
@@ -132,11 +133,11 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # listing, which runs alongside the create, leaves out only that name); it takes the
         # sandbox's name, and starts, only once every one of them is dead
         new_name = f"{target}-restoring-{uuid.uuid4().hex[:8]}"
-        killing = _Background(_fence_all_but if fence_first else _nothing, client, target, new_name)
+        killing = Background(_fence_all_but if fence_first else _nothing, client, target, new_name)
         # the linked images directory is made while Docker creates the container (~30 links
         # + a nonce, tens of ms under load): then it goes into place with one rename
         link_dir = tmp / f"{prestaging.PREFIX}{uuid.uuid4().hex[:12]}~{owner_tag()}"
-        linking = (_Background(runtime_images.link_into, link_dir)
+        linking = (Background(runtime_images.link_into, link_dir)
                    if runtime_images is not None and via == "linked" else None)
         try:
             cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
@@ -377,31 +378,6 @@ def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], n
             remove_quietly(client, container.id)
             raise
     return container.id, info
-
-
-class _Background:
-    """``fn(*args)`` on a thread; ``result()`` joins it and returns its value or raises its error."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any):
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True, name="belayer-restore-bg")
-        self._thread.start()
-
-    def _run(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self._value = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
-            self._error = e
-
-    def join(self) -> None:
-        self._thread.join()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _result(src: Path | concurrent.futures.Future[Path]) -> Path:
