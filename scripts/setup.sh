@@ -120,9 +120,10 @@ else
   info "building $srcdir (make criu lib; ~30 s on 2 cores)"
   rm -f "$srcdir/criu/kerndat.o"  # KDAT_DIR is compiled into it
   run_logged "$LOG_DIR/criu-build.log" make -C "$srcdir" -j"$(nproc)" criu lib RUNDIR="$KDAT_DIR"
-  run_logged "$LOG_DIR/criu-install.log" make -C "$srcdir" install-criu PREFIX=/usr/local
+  run_logged "$LOG_DIR/criu-install.log" make -C "$srcdir" install-criu PREFIX=/usr/local RUNDIR="$KDAT_DIR"
   hash -r
   criu_version_ok || die "installed criu is not >= 4.2: $(criu --version 2>&1 | head -1)"
+  criu_kdat_ok || die "installed criu does not keep its kernel-probe cache in $KDAT_DIR"
   criu check || die "criu check failed; see 'criu check --all'"
   info "installed $(criu --version | head -1) at $(command -v criu)"
   cd "$ROOT"
