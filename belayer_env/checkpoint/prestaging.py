@@ -42,7 +42,7 @@ import docker
 
 from belayer.errors import InfraError
 from belayer_env import disk
-from belayer_env.checkpoint import layer, runtime
+from belayer_env.checkpoint import layer, runtime, shared_layer
 from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_alive, owner_tag
@@ -105,14 +105,20 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
         try:
             size = ck.config.disk_bytes
             fsroot = work / "fsroot" if size is not None else work
-            (fsroot / "layer").mkdir(mode=0o700, parents=True)
+            fsroot.mkdir(mode=0o700, exist_ok=True)
+            in_memory = size is not None and _in_memory(fsroot, Path(ck.path) / "layer.tar")
+            (fsroot / "layer").mkdir(mode=0o700)
             layer.install(Path(ck.path) / "layer.tar", fsroot / "layer", data["files"]["layer.tar"])
             if size is not None:  # the file system a restore mounts as the new container's layer
                 (fsroot / "layer").chmod(0o755)
                 (fsroot / "layer").rename(fsroot / "diff")
                 (fsroot / "work").mkdir(mode=0o700)
                 disk.prepare_layer_image(fsroot, work / LAYER_IMAGE, size)
-                _remove_aside(fsroot, tmp)  # thousands of files: seconds under load, not waited for
+                if in_memory:
+                    shared_layer.umount(fsroot)  # the tree's memory goes at once
+                    fsroot.rmdir()
+                else:
+                    _remove_aside(fsroot, tmp)  # thousands of files: seconds under load, not waited for
             hook(Phase.LAYER_UNPACKED)
             images.result()  # verified alongside the layer
             hook(Phase.IMAGES_VERIFIED)
@@ -125,6 +131,8 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
             return None
         finally:
             images.join()
+            with contextlib.suppress(OSError):
+                shared_layer.umount(work / "fsroot")  # a failure left the unpacked tree mounted
             shutil.rmtree(work, ignore_errors=True)  # gone already when renamed
         hook(Phase.STAGED)
         _drop_older(tmp, ck.sandbox)
@@ -187,6 +195,15 @@ def discard_copies(client: docker.DockerClient, ck_id: str) -> list[Path]:
             shutil.rmtree(trash, ignore_errors=True)
             gone.append(d)
     return gone
+
+
+def _in_memory(fsroot: Path, tar: Path) -> bool:
+    """Put the transient unpacked tree of a capped sandbox's layer (it only feeds
+    ``mkfs.ext4 -d``) on a tmpfs of its own where it fits (``shared_layer.memory_cap``):
+    creating thousands of files on Docker's ext4 cost 0.4-3 s of kernel time on the dev VM
+    (0.45 ms an ``openat``), into tmpfs 0.1 s; unmounting frees it at once. False: disk."""
+    cap = shared_layer.memory_cap(tar.stat().st_size)
+    return cap is not None and shared_layer.try_mount_tmpfs(fsroot, cap, mode="0700")
 
 
 def _remove_aside(path: Path, tmp: Path) -> None:
