@@ -93,15 +93,15 @@ def kill_listed(client: docker.DockerClient, sandbox_name: str, found: list[dict
 
 def wait_not_running(client: docker.DockerClient, container_ids: list[str], sandbox_name: str) -> None:
     """Bounded wait until Docker's state no longer says running for any of ``container_ids``
-    (killed already: this is Docker's bookkeeping catching up, not a kill)."""
+    (killed already); one removed meanwhile (e.g. by a concurrent fence) is fenced all the same."""
     deadline = time.monotonic() + STOPPED_TIMEOUT_S
     with translate_errors(f"fence sandbox {sandbox_name}"):
         for cid in container_ids:
             try:
                 while client.api.inspect_container(cid)["State"].get("Running"):
                     if time.monotonic() > deadline:
-                        raise SandboxLost(f"container {cid[:12]} of sandbox {sandbox_name} is dead, but Docker "
-                                          f"still says running after {STOPPED_TIMEOUT_S:g} s")
+                        raise SandboxLost(f"could not fence container {cid[:12]} of sandbox {sandbox_name}: "
+                                          f"Docker still says running after {STOPPED_TIMEOUT_S:g} s")
                     time.sleep(0.01)
             except docker.errors.NotFound:
                 continue
@@ -173,13 +173,5 @@ def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str, d
         except docker.errors.APIError:
             remove(client, cid)  # could not kill/rename: remove it here and now
             return False
-        deadline = time.monotonic() + STOPPED_TIMEOUT_S
-        try:
-            while client.api.inspect_container(cid)["State"].get("Running"):
-                if time.monotonic() > deadline:
-                    raise SandboxLost(f"could not fence container {cid[:12]} of sandbox {sandbox_name}: "
-                                      "still running")
-                time.sleep(0.01)
-        except docker.errors.NotFound:
-            return False  # removed meanwhile (e.g. by a concurrent fence): fenced all the same
+    wait_not_running(client, [cid], sandbox_name)
     return True

@@ -114,7 +114,7 @@ def kill_all(container_id: str, init_pid: int, wait_s: float = 30.0) -> bool:
         if str(init_pid) not in procs.read_text().split():
             return False
         os.kill(init_pid, signal.SIGKILL)
-    except (OSError, ProcessLookupError):
+    except OSError:  # ProcessLookupError included: already gone
         return False
     deadline = time.monotonic() + wait_s
     while True:

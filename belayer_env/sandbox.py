@@ -154,9 +154,9 @@ def create_container(client: docker.DockerClient, config: SandboxConfig, name: s
     all_labels = {**config.labels, **owner_labels(name), **(labels or {})}
     if network_disabled is None:
         network_disabled = not config.network and loopback.installed()
-    if network_disabled and config.network:
+    elif network_disabled and config.network:
         raise UsageError("a sandbox with network=True cannot be created with Docker's network stack disabled")
-    if network_disabled and not loopback.installed():
+    elif network_disabled and not loopback.installed():
         raise UsageError(f"this container must be created without Docker's network stack, but the CRIU "
                          f"loopback hook is not installed here ({loopback.HOOK_PATH} listed in "
                          f"{loopback.RUNC_CRIU_CONF}): run `bash scripts/setup.sh`")

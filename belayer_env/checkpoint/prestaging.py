@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -221,9 +220,19 @@ def clean_dead_staging(tmp: Path) -> None:
     with contextlib.suppress(OSError):
         for d in tmp.glob(f"{PREFIX}*"):
             if not owner_alive(d.name):
-                if os.path.ismount(d):  # a fork's in-memory images (``forking._verified_images``)
-                    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+                _umount_under(d)  # in-memory copies: a fork's images, a prestage's or restore's unpack
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _umount_under(d: Path) -> None:
+    """Lazily unmount every mount at or below ``d``, deepest first (else ``rmtree`` empties a
+    tmpfs but leaves it mounted, its directory impossible to remove)."""
+    prefix = str(d)
+    with contextlib.suppress(OSError):
+        points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
+                  if len(line.split()) > 1]
+        for point in sorted((p for p in points if p == prefix or p.startswith(prefix + "/")), key=len, reverse=True):
+            subprocess.run(["umount", "-l", point], capture_output=True)
 
 
 def _begin(ck_id: str) -> threading.Event:

@@ -116,8 +116,9 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             fs = _Staged.ready(ck, "file-system layer", staged / "layer")
         runtime_images: _Staged | None = _Staged.ready(ck, "runtime images", staged / "images")
     else:
-        # unpack + verify both artifacts on Docker's disk, side by side; each is then moved
-        # into place with one rename (the layer: not when it is a shared lower layer)
+        # unpack + verify both artifacts on Docker's disk (a capped layer: in memory where it
+        # fits), side by side; each is then moved into place with one rename, or copied into
+        # a capped file system (the layer: not at all when it is a shared lower layer)
         fs = None if shared is not None else _Staged(ck, "file-system layer", tmp, lambda d: _unpack_layer(ck, data, d))
         fill_images = ((lambda d: _link_all(_result(verified_images), d)) if verified_images is not None else
                        (lambda d: runtime.install(Path(ck.path), data["files"], d)))
@@ -295,7 +296,6 @@ def _unpack_layer(ck: Checkpoint, data: dict[str, Any], d: Path) -> None:
     if ck.config.disk_bytes is not None and (cap := shared_layer.memory_cap(tar.stat().st_size)) is not None:
         shared_layer.try_mount_tmpfs(d, cap, mode="0700")
     layer.install(tar, d, data["files"]["layer.tar"])
-
 
 
 _cleaning: set[threading.Thread] = set()

@@ -161,3 +161,18 @@ def test_copy_of_a_removed_checkpoint_is_dropped(make_sandbox, ck_store, docker_
     ckb = full_checkpoint(b, ck_store, 1)
     assert prestage(ckb, docker_client) is not None  # another sandbox's prestage tidies up
     assert copies_of(docker_client, cka) == [] and len(copies_of(docker_client, ckb)) == 1
+
+
+def test_clean_up_unmounts_a_dead_prestage_in_memory_unpack(docker_client):
+    """A prestage killed while its unpacked tree sat on its tmpfs (``work/fsroot``) leaves a
+    mount below its dir: the next clean-up unmounts it and removes the dir."""
+    from belayer_env.checkpoint.prestaging import clean_dead_staging
+
+    tmp = docker_tmp(docker_client)
+    dead = tmp / f"{FILLING}deadbeef0000~{2**22 + 7}-1"  # an owner that is not alive
+    (dead / "fsroot").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "belayer-test", str(dead / "fsroot")], check=True)
+    (dead / "fsroot" / "f").write_text("unpacked")
+    clean_dead_staging(tmp)
+    assert str(dead) not in Path("/proc/self/mounts").read_text(), "the tmpfs stayed mounted"
+    assert not dead.exists()
