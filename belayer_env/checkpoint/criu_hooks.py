@@ -46,8 +46,12 @@ esac
 _WAITER = """#!/bin/bash
 # the stages that wait for the checkpointer's answer (bash: read -t)
 {orphaned}answer() {{
+  # bash reads a FIFO byte by byte: a timeout that falls between two bytes of the answer
+  # (this script descheduled, under load) returns the part read so far, so parts add up
+  local reply="" part
   for ((i = 0; i < {polls}; i++)); do
-    if read -r -t 0.05 reply <&3; then [ "$reply" = ok ]; exit; fi
+    if read -r -t 0.05 part <&3; then [ "$reply$part" = ok ]; exit; fi
+    reply+=$part
     orphaned && exit 1  # fail: CRIU resumes the tasks
   done
   exit 1
