@@ -124,6 +124,19 @@ def check_kdat_cache(criu: str) -> Check:
                  f"run `{SETUP}` (builds CRIU to cache in /run/criu and mounts a tmpfs there)", required=False)
 
 
+def check_ctrd_copies() -> Check:
+    """containerd never removes its unpacked copy of a restored checkpoint (``ctrd_copies``):
+    each restore removes its own; a process killed mid-restore leaves one for ``belayer gc``."""
+    from belayer_env.checkpoint import ctrd_copies
+
+    left = ctrd_copies.sweep(dry_run=True)
+    where = ", ".join(str(d) for d in ctrd_copies.temp_dirs()) or "no containerd visible"
+    return Check("containerd copies", not left,
+                 f"none left by dead restores ({where})" if not left else
+                 f"{len(left)} left by restores whose process is gone, in {where}",
+                 "belayer gc", required=False)
+
+
 def _is_tmpfs(path: str) -> bool:
     best, fstype = "", ""
     with open("/proc/mounts") as f:
@@ -168,4 +181,4 @@ def check_engine() -> list[Check]:
 
 
 def run_checks() -> list[Check]:
-    return [*check_docker(), *check_criu(), *check_kernel(), check_disk_cap(), *check_engine()]
+    return [*check_docker(), *check_criu(), check_ctrd_copies(), *check_kernel(), check_disk_cap(), *check_engine()]

@@ -46,7 +46,8 @@ Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, r
 again on one machine: every name it creates (containers, Docker checkpoints, images) carries a
 run id, every checkpoint copy it restores from carries a nonce file (Docker uploads the
 directory to containerd's content store by digest: two identical copies, or one a crashed run
-left there, collide with "content ... already exists"), and it removes what it made.
+left there, collide with "content ... already exists"), and it removes what it made, containerd's
+unpacked copies of the checkpoints included (``belayer_env.checkpoint.ctrd_copies``).
 Writes ``benchmarks/results/checkpoint_bench.json`` (+ ``.png`` with matplotlib).
 """
 
@@ -69,8 +70,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore, prestage  # noqa: E402
+from belayer_env.checkpoint.ctrd_copies import remove as remove_ctrd_copy  # noqa: E402
+from belayer_env.checkpoint.ctrd_copies import write_nonce  # noqa: E402
 from belayer_env.checkpoint.manifest import read_manifest  # noqa: E402
 from belayer_env.checkpoint.standby import Standby  # noqa: E402
+from belayer_env.checkpoint.store import owner_tag  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 from belayer_env.forking import fork  # noqa: E402
@@ -130,13 +134,14 @@ def docker_restore(client, sb: DockerSandbox, ck: dict, name: str) -> float:
     c = create_container(client, config, f"{sb.name}-dk-{name}")
     dest = Path(client.info()["DockerRootDir"]) / "containers" / c.id / "checkpoints" / name
     shutil.copytree(ck["ckdir"], dest)
-    (dest / "belayer-nonce").write_text(uuid.uuid4().hex)  # a unique digest in containerd's store
+    nonce = write_nonce(dest)  # a unique digest in containerd's store; names its unpacked copy
     api = client.api
     try:
         api._raise_for_status(api.post(api._url("/containers/{0}/start", c.id), params={"checkpoint": name}))
         return time.monotonic() - t0
     finally:
         api.remove_container(c.id, force=True)
+        remove_ctrd_copy(nonce)  # containerd never removes it
 
 
 def delete_docker_checkpoint(client, cid: str, name: str) -> None:
@@ -392,7 +397,7 @@ def main() -> int:
     result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                        "loadavg_start": os.getloadavg(), "docker": client.version()["Version"],
                        "criu": subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout.split()[1],
-                       "store": str(store_dir), "run_id": run_id, "loadavg": []},
+                       "store": str(store_dir), "run_id": run_id, "owner": owner_tag(), "loadavg": []},
               "runs": args.runs, "fork_n": args.fork_n, "scenarios": {},
               "note": "the machine was shared with other agents' work: see host.loadavg (1/5/15-min, "
                       "after every run); figures under load are meaningful side by side, as ratios"}

@@ -18,8 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="remove sandbox containers, engine processes and arena shm files whose owner is gone",
                        description="Remove Belayer sandbox containers whose owner process no longer runs, end engine "
                                    "processes (arenas, workers, shadows) whose engine is gone (owner pid + start "
-                                   "time), remove the /dev/shm files (weights, KV) of arenas that were killed, and "
-                                   "the shared layers of forks that no container uses any more.")
+                                   "time), remove the /dev/shm files (weights, KV) of arenas that were killed, "
+                                   "the shared layers of forks that no container uses any more, and the copies of "
+                                   "checkpoints that containerd unpacked for restores whose process is gone "
+                                   "(containerd never removes them).")
     p.add_argument("--all", action="store_true", help="remove every Belayer container, owned or not "
                                                       "(arena files of running arenas are always kept)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from belayer_engine.arena.shm_files import orphaned, reap_orphans
     from belayer_engine.backends.sglang import shm_files as sglang_shm
     from belayer_engine.owner import orphans
+    from belayer_env.checkpoint import ctrd_copies
     from belayer_env.docker_api import connect
     from belayer_env.gc import GcReport, list_managed, remove_all, sweep_shared_layers
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     report = GcReport() if args.dry_run else remove_all(client, targets)
     removed, failed = report.removed, report.failed
     shared_layers = [] if args.dry_run else sweep_shared_layers(client)  # after the containers that used them
+    copies = [str(p) for p in ctrd_copies.sweep(dry_run=args.dry_run)]  # containerd's, of dead restores
     if args.json:
         print(json.dumps({
             "managed": len(managed),
@@ -71,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             "engine_processes": [{"pid": pid, "owner": own, "ended": pid in ended} for pid, own in engine_procs],
             "arena_files": arena_files,
             "shared_layers": shared_layers,
+            "containerd_checkpoint_copies": copies,
             "dry_run": args.dry_run,
         }, indent=2))
     else:
@@ -81,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (arena process gone)")
         for name in shared_layers:
             print(f"{'removed':>12}  shared fork layer {name}  (no container uses it)")
+        for path in copies:
+            print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (containerd's copy of a "
+                  "checkpoint; its restore's process is gone)")
         for c in targets:
             verb = "would remove" if args.dry_run else ("FAILED" if c.id in failed else "removed")
             why = f": {failed[c.id]}" if c.id in failed else ""

@@ -45,7 +45,7 @@ import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
 from belayer_env import disk, fence, loopback
-from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
+from belayer_env.checkpoint import ctrd_copies, layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
@@ -125,6 +125,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         runtime_images = _Staged(ck, "runtime images", tmp, fill_images) if ck.has_runtime else None
     cid, fenced, degraded = None, [], not ck.has_runtime
     images_dir: Path | None = None
+    nonce: str | None = None  # names containerd's copy of the images once the start has run
     try:
         for part in (fs, runtime_images) if shared is None or target == ck.sandbox else ():
             if part is not None:
@@ -152,12 +153,12 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             if runtime_images is not None:
                 images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
                 if linking is not None:
-                    linking.result()
+                    nonce = linking.result()
                     images_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                     os.rename(link_dir, images_dir)
                 else:
                     runtime_images.move_to(images_dir)
-                    _nonce(images_dir)
+                    nonce = ctrd_copies.write_nonce(images_dir)
                 hook(Phase.RUNTIME_VERIFIED)
         finally:
             try:
@@ -204,10 +205,11 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # cleans up before it raises
         spent = [p for p in (images_dir, staged) if p is not None]
         parts = [p for p in (fs, runtime_images) if p is not None]
+        nonces = [nonce] if nonce is not None else []  # containerd's copy (``ctrd_copies``)
         if sys.exc_info()[0] is None:
-            _clean_later(spent, parts)
+            _clean_later(spent, parts, nonces)
         else:
-            _clean(spent, parts)
+            _clean(spent, parts, nonces)
         fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
     sandbox = DockerSandbox.attach(cid, ck.config, target, client)
     sandbox.restored_from = ck.id
@@ -269,15 +271,15 @@ class _Staged:
             dest.mkdir(mode=0o755)
             layer.copy_tree(self.dir, dest)
 
-    def link_into(self, dest: Path) -> None:
+    def link_into(self, dest: Path) -> str:
         """Make ``dest`` a directory of relative symlinks to the verified files, which stay
-        here until ``discard`` (after the restore), and a nonce. The links are valid from
-        any directory of the same file system (``LINK_UP``): ``dest`` may be renamed."""
+        here until ``discard`` (after the restore), and a nonce (returned). The links are
+        valid from any directory of the same file system (``LINK_UP``): ``dest`` may be renamed."""
         self.verified()
         dest.mkdir(mode=0o700, parents=True)
         for f in self.dir.iterdir():
             os.symlink(LINK_UP + str(f.resolve()).lstrip("/"), dest / f.name)
-        _nonce(dest)
+        return ctrd_copies.write_nonce(dest)
 
     def discard(self) -> None:
         if self._thread is not None:
@@ -302,17 +304,19 @@ _cleaning: set[threading.Thread] = set()
 _cleaning_lock = threading.Lock()
 
 
-def _clean(paths: list[Path], parts: list[_Staged]) -> None:
+def _clean(paths: list[Path], parts: list[_Staged], nonces: list[str]) -> None:
     for part in parts:
         part.discard()
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
+    for nonce in nonces:
+        ctrd_copies.remove(nonce)
 
 
-def _clean_later(paths: list[Path], parts: list[_Staged]) -> None:
+def _clean_later(paths: list[Path], parts: list[_Staged], nonces: list[str]) -> None:
     def run() -> None:
         try:
-            _clean(paths, parts)
+            _clean(paths, parts, nonces)
         finally:
             with _cleaning_lock:
                 _cleaning.discard(threading.current_thread())
@@ -348,12 +352,6 @@ def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> l
 
 def _nothing(*_args: Any) -> list[str]:
     return []
-
-
-def _nonce(images_dir: Path) -> None:
-    """Docker uploads the checkpoint directory to containerd's content store by digest: two
-    restores of one checkpoint at once (fork) would collide ("already exists")."""
-    (images_dir / "belayer-nonce").write_text(uuid.uuid4().hex)
 
 
 def _remove_empty_tree(path: Path) -> None:

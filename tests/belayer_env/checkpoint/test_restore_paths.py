@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from belayer.errors import InfraError, RestoreFailed, UsageError
-from belayer_env.checkpoint import full_checkpoint, full_restore, prestage
+from belayer_env.checkpoint import ctrd_copies, full_checkpoint, full_restore, prestage
 from belayer_env.checkpoint.prestaging import LAYER_IMAGE, PREFIX, docker_root, docker_tmp
 from belayer_env.checkpoint.restore import RESTORE_NAME, wait_cleaned
 from belayer_env.checkpoint.store import owner_tag
@@ -54,8 +54,12 @@ def containers_of(client, name: str, **filters) -> list[dict]:
 
 
 def leftovers_in_tmp(client) -> list[Path]:
+    """This process's restores' spent copies: in Docker's tmp dir, and containerd's unpacked
+    copies of the checkpoint directory (containerd never removes those)."""
     assert wait_cleaned(), "a restore's clean-up thread did not finish"  # spent copies go on a thread
-    return [d for d in docker_tmp(client).glob(f"{PREFIX}*~{owner_tag()}") if "-staged-" not in d.name]
+    assert ctrd_copies.temp_dirs(), "containerd's temp dir not found: its copies would go unchecked"
+    return ([d for d in docker_tmp(client).glob(f"{PREFIX}*~{owner_tag()}") if "-staged-" not in d.name]
+            + [d for d, nonce in ctrd_copies.copies() if nonce.endswith(f"~{owner_tag()}")])
 
 
 def assert_ordinary_docker_container(client, sb) -> None:
@@ -166,6 +170,9 @@ def test_sigkilled_restore_leaves_nothing_running_that_gc_and_a_retry_do_not_rem
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     _, err = p.communicate(timeout=180)
     assert p.returncode == -signal.SIGKILL, err[-2000:]
+    left = [d for d, nonce in ctrd_copies.copies() if f"~{p.pid}-" in nonce]
+    assert len(left) == (1 if phase == "started" else 0), left  # containerd unpacked the images to start it
+    assert set(left) <= set(ctrd_copies.sweep()) and not [d for d in left if d.exists()]  # `belayer gc`
     orphans = [m for m in list_managed(docker_client) if m.orphaned and m.owner.endswith(f":{p.pid}")]
     assert [m.sandbox for m in orphans] == [sb.name], orphans  # the new container, owned by the dead process
     running = [c for c in containers_of(docker_client, sb.name) if c["State"] == "running"]
