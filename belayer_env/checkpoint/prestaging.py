@@ -104,7 +104,7 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
             size = ck.config.disk_bytes
             fsroot = work / "fsroot" if size is not None else work
             fsroot.mkdir(mode=0o700, exist_ok=True)
-            in_memory = size is not None and _in_memory(fsroot, Path(ck.path) / "layer.tar")
+            on_tmpfs = size is not None and _in_memory(fsroot, Path(ck.path) / "layer.tar")
             (fsroot / "layer").mkdir(mode=0o700)
             layer.install(Path(ck.path) / "layer.tar", fsroot / "layer", data["files"]["layer.tar"])
             if size is not None:  # the file system a restore mounts as the new container's layer
@@ -112,7 +112,7 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
                 (fsroot / "layer").rename(fsroot / "diff")
                 (fsroot / "work").mkdir(mode=0o700)
                 disk.prepare_layer_image(fsroot, work / LAYER_IMAGE, size)
-                if in_memory:
+                if on_tmpfs:
                     in_memory.umount(fsroot)  # the tree's memory goes at once
                     fsroot.rmdir()
                 else:
