@@ -265,8 +265,10 @@ def test_uncapped_forks_share_too(make_sandbox, ck_store, docker_client):
     sweep_shared_layers(docker_client)
 
 
-def _mounted(path: Path) -> bool:
-    return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
+def _mounted(path: Path, source: str | None = None) -> bool:
+    """``path`` is a mount point (made by ``source``: ``in_memory.FORK``, ... when given)."""
+    return any(line.split()[1] == str(path) and source in (None, line.split()[0])
+               for line in Path("/proc/self/mounts").read_text().splitlines())
 
 
 @pytest.mark.parametrize("where", ["memory", "disk"])
@@ -281,7 +283,7 @@ def test_the_shared_copy_in_memory_or_on_disk(make_sandbox, ck_store, docker_cli
     forks = fork(ck, 2, client=docker_client)
     root = _shared_root(docker_client, forks[0].shared_lower)
     try:
-        assert _mounted(root / "diff") == (where == "memory")
+        assert _mounted(root / "diff", in_memory.FORK) == (where == "memory")
         assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
         assert forks[0].execute(FORK_WRITES)["returncode"] == 0
         assert tree_hash(forks[1]) == at_ck and (root / "diff" / "w" / "a").read_text() == "base\n"
@@ -340,6 +342,6 @@ def test_gc_reaps_the_images_a_killed_forker_left_in_memory(make_sandbox, ck_sto
     left = Path(p.stdout.strip())
     assert left.is_dir() and any(left.iterdir())
     if in_memory.memory_allowed(1 << 20):
-        assert _mounted(left)  # the verified images in a tmpfs of their own
+        assert _mounted(left, in_memory.FORK)  # the verified images in a tmpfs of their own
     sweep_shared_layers(docker_client)  # what `belayer gc` runs
     assert not left.exists() and not _mounted(left)
