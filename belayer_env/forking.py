@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import docker
 
 from belayer.errors import RestoreFailed, UsageError
-from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
+from belayer_env.checkpoint import in_memory, layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.restore import DEFAULT_IMAGES, full_restore
 from belayer_env.checkpoint.store import owner_tag
@@ -111,15 +111,15 @@ def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: 
     """The checkpoint's runtime images copied (hardlinked where the store shares Docker's
     file system) and checked against the manifest, under a name ``clean_dead_staging``
     reaps if we die. With linked images (the default) the copy is a tmpfs of its own where
-    it fits (``shared_layer.memory_allowed``): a store outside Docker's file system (a bind
+    it fits (``in_memory.memory_allowed``): a store outside Docker's file system (a bind
     mount here) meant writing every page image onto Docker's disk on each fork, 0.24-0.4 s
     of the heavy fork; the memory is held until the forks run (``_discard_images``)."""
     d = prestaging.docker_tmp(client) / f"{prestaging.PREFIX}fork-{uuid.uuid4().hex[:12]}~{owner_tag()}"
     cap = sum(m["size"] for rel, m in data["files"].items() if rel.startswith("runtime/")) + (8 << 20)
     try:
         d.mkdir(mode=0o700, parents=True)
-        if DEFAULT_IMAGES == "linked" and shared_layer.memory_allowed(cap):
-            shared_layer.try_mount_tmpfs(d, cap, mode="0700")  # the forks symlink to it (restore._link_all)
+        if DEFAULT_IMAGES == "linked" and in_memory.memory_allowed(cap):
+            in_memory.try_mount_tmpfs(d, cap, source=in_memory.FORK, mode="0700")  # the forks symlink to it (restore._link_all)
         runtime.install(Path(checkpoint.path), data["files"], d)
     except BaseException:
         _discard_images(d)
@@ -129,7 +129,7 @@ def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: 
 
 def _discard_images(d: Path) -> None:
     with contextlib.suppress(OSError):
-        shared_layer.umount(d)
+        in_memory.umount(d)
     shutil.rmtree(d, ignore_errors=True)
 
 

@@ -31,6 +31,7 @@ from belayer_env.checkpoint import (  # noqa: E402
     CheckpointStore,
     fence,
     full_checkpoint,
+    in_memory,
     layer,
     prestaging,
     restore,
@@ -67,7 +68,7 @@ def instrument() -> None:
     for owner, attr, label in [
         (forking.shared_layer, "sweep", "sweep shared"), (forking, "_verified_images", "images verify (once)"),
         (shared_layer, "_make", "shared layer make"), (layer, "install", "  layer unpack+hash"),
-        (shared_layer, "try_mount_tmpfs", "tmpfs mount"), (getattr(shared_layer, "Making", None), "wait_ready", "wait shared ready"),
+        (in_memory, "try_mount_tmpfs", "tmpfs mount"), (getattr(shared_layer, "Making", None), "wait_ready", "wait shared ready"),
         (prestaging, "clean_dead_staging", "clean dead staging"), (prestaging, "docker_tmp", "docker_tmp"),
         (prestaging, "docker_root", "docker_root"),
         (restore, "_link_all", "images hardlink"), (restore, "create_container", "create (+cap)"),

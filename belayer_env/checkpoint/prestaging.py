@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -41,7 +40,7 @@ import docker
 
 from belayer.errors import InfraError
 from belayer_env import disk
-from belayer_env.checkpoint import layer, runtime, shared_layer
+from belayer_env.checkpoint import in_memory, layer, runtime
 from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_alive, owner_tag
@@ -105,7 +104,7 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
             size = ck.config.disk_bytes
             fsroot = work / "fsroot" if size is not None else work
             fsroot.mkdir(mode=0o700, exist_ok=True)
-            in_memory = size is not None and _in_memory(fsroot, Path(ck.path) / "layer.tar")
+            on_tmpfs = size is not None and _in_memory(fsroot, Path(ck.path) / "layer.tar")
             (fsroot / "layer").mkdir(mode=0o700)
             layer.install(Path(ck.path) / "layer.tar", fsroot / "layer", data["files"]["layer.tar"])
             if size is not None:  # the file system a restore mounts as the new container's layer
@@ -113,8 +112,8 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
                 (fsroot / "layer").rename(fsroot / "diff")
                 (fsroot / "work").mkdir(mode=0o700)
                 disk.prepare_layer_image(fsroot, work / LAYER_IMAGE, size)
-                if in_memory:
-                    shared_layer.umount(fsroot)  # the tree's memory goes at once
+                if on_tmpfs:
+                    in_memory.umount(fsroot)  # the tree's memory goes at once
                     fsroot.rmdir()
                 else:
                     _remove_aside(fsroot, tmp)  # thousands of files: seconds under load, not waited for
@@ -131,7 +130,7 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
         finally:
             images.join()
             with contextlib.suppress(OSError):
-                shared_layer.umount(work / "fsroot")  # a failure left the unpacked tree mounted
+                in_memory.umount(work / "fsroot")  # a failure left the unpacked tree mounted
             shutil.rmtree(work, ignore_errors=True)  # gone already when renamed
         hook(Phase.STAGED)
         _drop_older(tmp, ck.sandbox)
@@ -198,11 +197,11 @@ def discard_copies(client: docker.DockerClient, ck_id: str) -> list[Path]:
 
 def _in_memory(fsroot: Path, tar: Path) -> bool:
     """Put the transient unpacked tree of a capped sandbox's layer (it only feeds
-    ``mkfs.ext4 -d``) on a tmpfs of its own where it fits (``shared_layer.memory_cap``):
+    ``mkfs.ext4 -d``) on a tmpfs of its own where it fits (``in_memory.memory_cap``):
     creating thousands of files on Docker's ext4 cost 0.4-3 s of kernel time on the dev VM
     (0.45 ms an ``openat``), into tmpfs 0.1 s; unmounting frees it at once. False: disk."""
-    cap = shared_layer.memory_cap(tar.stat().st_size)
-    return cap is not None and shared_layer.try_mount_tmpfs(fsroot, cap, mode="0700")
+    cap = in_memory.memory_cap(tar.stat().st_size)
+    return cap is not None and in_memory.try_mount_tmpfs(fsroot, cap, source=in_memory.PRESTAGE, mode="0700")
 
 
 def _remove_aside(path: Path, tmp: Path) -> None:
@@ -225,14 +224,15 @@ def clean_dead_staging(tmp: Path) -> None:
 
 
 def _umount_under(d: Path) -> None:
-    """Lazily unmount every mount at or below ``d``, deepest first (else ``rmtree`` empties a
-    tmpfs but leaves it mounted, its directory impossible to remove)."""
+    """Unmount every mount at or below ``d``, deepest first (``in_memory.umount``: lazily if
+    busy; else ``rmtree`` empties a tmpfs but leaves it mounted, its directory impossible to
+    remove)."""
     prefix = str(d)
     with contextlib.suppress(OSError):
         points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
                   if len(line.split()) > 1]
         for point in sorted((p for p in points if p == prefix or p.startswith(prefix + "/")), key=len, reverse=True):
-            subprocess.run(["umount", "-l", point], capture_output=True)
+            in_memory.umount(Path(point))
 
 
 def _begin(ck_id: str) -> threading.Event:

@@ -45,7 +45,7 @@ import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
 from belayer_env import disk, fence, loopback
-from belayer_env.checkpoint import ctrd_copies, layer, prestaging, runtime, shared_layer
+from belayer_env.checkpoint import ctrd_copies, in_memory, layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
@@ -285,18 +285,18 @@ class _Staged:
         if self._thread is not None:
             self._thread.join()
         with contextlib.suppress(OSError):
-            shared_layer.umount(self.dir)  # an in-memory unpack (``_unpack_layer``)
+            in_memory.umount(self.dir)  # an in-memory unpack (``_unpack_layer``)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _unpack_layer(ck: Checkpoint, data: dict[str, Any], d: Path) -> None:
     """Unpack + verify the layer into ``d``. A capped sandbox's layer is copied into its own
     file system afterwards anyway, so it is unpacked into a tmpfs of its own where it fits
-    (``shared_layer.memory_cap``): creating thousands of files on Docker's ext4 cost seconds
+    (``in_memory.memory_cap``): creating thousands of files on Docker's ext4 cost seconds
     of kernel time on the dev VM, into tmpfs ~0.1 s."""
     tar = Path(ck.path) / "layer.tar"
-    if ck.config.disk_bytes is not None and (cap := shared_layer.memory_cap(tar.stat().st_size)) is not None:
-        shared_layer.try_mount_tmpfs(d, cap, mode="0700")
+    if ck.config.disk_bytes is not None and (cap := in_memory.memory_cap(tar.stat().st_size)) is not None:
+        in_memory.try_mount_tmpfs(d, cap, source=in_memory.RESTORE, mode="0700")
     layer.install(tar, d, data["files"]["layer.tar"])
 
 

@@ -11,12 +11,13 @@ upperdir: forking costs one unpack per checkpoint, not one per fork. The unpack 
 thread (``Making``) while the forks' containers are created and attached to the copy's
 link (dangling until the copy is published); no fork starts before the copy is verified.
 
-Where: its ``diff`` is a tmpfs of its own when the layer fits (``memory_cap``: the tar's
-size at most ``MEMORY_MAX_BYTES`` and its cap, 4x the tar, at most 1/8 of the host's
-available memory; ``$BELAYER_FORK_LOWER``: ``auto``, ``memory``, ``disk``), else (or
-when no tmpfs can be mounted, or the layer overflows it) a directory on Docker's disk. Creating a few thousand files on Docker's ext4 took 0.4-4 s
-on the dev VM (and varied with what else wrote to it), into tmpfs about 0.1 s; the
-price is the layer's unpacked size in host memory while a fork uses it.
+Where: its ``diff`` is a tmpfs of its own when the layer fits (``in_memory.memory_cap``:
+the tar's size at most ``in_memory.MEMORY_MAX_BYTES`` and its cap, 4x the tar, at most
+1/8 of the host's available memory; ``$BELAYER_FORK_LOWER``: ``auto``, ``memory``,
+``disk``), else (or when no tmpfs can be mounted, or the layer overflows it) a directory
+on Docker's disk. Creating a few thousand files on Docker's ext4 took 0.4-4 s on the dev
+VM (and varied with what else wrote to it), into tmpfs about 0.1 s; the price is the
+layer's unpacked size in host memory while a fork uses it.
 
 Lifetime: the copy lives in ``<docker root>/belayer-lowers/<name>`` (not the store: its
 retention may delete the checkpoint), its link is ``overlay2/l/<link>``; every fork is
@@ -65,7 +66,7 @@ from typing import IO, Any
 
 import docker
 
-from belayer_env.checkpoint import layer
+from belayer_env.checkpoint import in_memory, layer
 from belayer_env.checkpoint.manifest import Checkpoint
 from belayer_env.checkpoint.store import owner_alive, owner_tag
 from belayer_env.docker_api import translate_errors
@@ -77,12 +78,7 @@ READY = "ready"
 ENTRIES = "entries"
 LINK_FILE = "link"
 IN_MEMORY = "in-memory"
-"""Marker: ``diff`` is a tmpfs of its own (``memory_cap``); ready only while it is mounted."""
-MEMORY_MAX_BYTES = 512 << 20
-"""Largest ``layer.tar`` whose shared copy is unpacked into memory (and at most 1/8 of the
-host's available memory); larger ones go to Docker's disk."""
-LOWER_MODE: str = os.environ.get("BELAYER_FORK_LOWER", "auto")
-"""``auto`` (memory when it fits, ``memory_cap``), ``memory`` or ``disk``."""
+"""Marker: ``diff`` is a tmpfs of its own (``in_memory.memory_cap``); ready only while it is mounted."""
 _creating = threading.Lock()
 _unshareable: set[str] = set()
 """Names of layers this process found hardlinked files in: not unpacked again to learn it."""
@@ -258,39 +254,9 @@ def _open_dir(path: Path) -> int | None:
         return None
 
 
-def memory_cap(tar_bytes: int) -> int | None:
-    """The size of the tmpfs a shared copy of a ``tar_bytes`` layer gets, or None (disk).
-
-    In memory when it fits: unpacking a few thousand files onto Docker's ext4 took 0.4-4 s
-    on the dev VM (file creation, its journal, other writers), into tmpfs 0.1 s. The cost
-    is the layer's unpacked size in host memory while a fork uses it (tmpfs pages of small
-    files: up to 4 KiB each, hence the cap of 4x the tar's size); bounded by the cap, by
-    ``MEMORY_MAX_BYTES`` and by 1/8 of ``MemAvailable``."""
-    if tar_bytes > MEMORY_MAX_BYTES and LOWER_MODE != "memory":
-        return None
-    cap = 4 * tar_bytes + (16 << 20)
-    return cap if memory_allowed(cap) else None
-
-
-def memory_allowed(cap: int) -> bool:
-    """Whether a tmpfs of ``cap`` bytes may hold fork data (``LOWER_MODE``; at most 1/8 of
-    the host's available memory under ``auto``; root only: it is a mount)."""
-    if LOWER_MODE == "disk" or os.geteuid() != 0:
-        return False
-    return LOWER_MODE == "memory" or cap <= _mem_available() // 8
-
-
-def _mem_available() -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> int:
     """Unpack + verify ``ck``'s layer into a fresh directory (a tmpfs of its own where it
-    fits, ``memory_cap``), list it, lock it (shared ``flock``, returned: the caller closes
+    fits, ``in_memory.memory_cap``), list it, lock it (shared ``flock``, returned: the caller closes
     it), publish it under ``root`` (rename), link it, and mark it ready (last)."""
     _rmtree(root)  # half made by this process before (an error), or in memory before a reboot
     tmp = root.with_name(f".new-{uuid.uuid4().hex[:12]}~{owner_tag()}")
@@ -299,8 +265,8 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
     try:
         (tmp / "diff").mkdir(mode=0o755)
         src = Path(ck.path) / "layer.tar"
-        cap = memory_cap(src.stat().st_size)
-        if cap is not None and try_mount_tmpfs(tmp / "diff", cap):
+        cap = in_memory.memory_cap(src.stat().st_size)
+        if cap is not None and in_memory.try_mount_tmpfs(tmp / "diff", cap, source=in_memory.FORK):
             (tmp / IN_MEMORY).write_text(f"{cap}\n")
         else:
             cap = None
@@ -310,7 +276,7 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
             if cap is None:
                 raise
             # full (a layer of many tiny files?) or corrupt: once more, on disk, to know which
-            umount(tmp / "diff")
+            in_memory.umount(tmp / "diff")
             (tmp / IN_MEMORY).unlink()
             shutil.rmtree(tmp / "diff")
             (tmp / "diff").mkdir(mode=0o755)
@@ -321,7 +287,7 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
         listing = [e for e in proc.stdout.split(b"\0") if e]
         if any(e[:1] == b"f" and int(e.split(b" ", 2)[1]) > 1 for e in listing):
             (tmp / "unshareable").write_text("hardlinked files\n")
-            umount(tmp / "diff")
+            in_memory.umount(tmp / "diff")
             (tmp / IN_MEMORY).unlink(missing_ok=True)
             shutil.rmtree(tmp / "diff")
         else:
@@ -348,28 +314,10 @@ def _make(ck: Checkpoint, root: Path, manifest: dict[str, Any], link: str) -> in
     return fd
 
 
-def try_mount_tmpfs(path: Path, size: int, mode: str = "0755") -> bool:
-    """A tmpfs of ``size`` bytes at ``path``; False if it cannot be mounted (then: disk)."""
-    try:
-        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "belayer-fork", str(path)],
-                           capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return p.returncode == 0
-
-
-def umount(path: Path) -> None:
-    """Unmount ``path`` if it is a mount point (lazily if busy: its memory goes with its last user)."""
-    if not os.path.ismount(path):
-        return
-    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def _rmtree(path: Path) -> None:
     """Remove a shared copy (made or half made), its tmpfs unmounted first."""
     with contextlib.suppress(OSError):
-        umount(path / "diff")
+        in_memory.umount(path / "diff")
     shutil.rmtree(path, ignore_errors=True)
 
 

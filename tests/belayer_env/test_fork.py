@@ -23,7 +23,14 @@ import pytest
 from belayer.cli import main as cli_main
 from belayer.errors import RestoreFailed, UsageError
 from belayer_env import fork
-from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestaging, shared_layer
+from belayer_env.checkpoint import (
+    fence,
+    full_checkpoint,
+    full_restore,
+    in_memory,
+    prestaging,
+    shared_layer,
+)
 from belayer_env.checkpoint.manifest import read_manifest_digest
 from belayer_env.fence import sandbox_containers
 from belayer_env.gc import list_managed, sweep_shared_layers
@@ -258,15 +265,17 @@ def test_uncapped_forks_share_too(make_sandbox, ck_store, docker_client):
     sweep_shared_layers(docker_client)
 
 
-def _mounted(path: Path) -> bool:
-    return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
+def _mounted(path: Path, source: str | None = None) -> bool:
+    """``path`` is a mount point (made by ``source``: ``in_memory.FORK``, ... when given)."""
+    return any(line.split()[1] == str(path) and source in (None, line.split()[0])
+               for line in Path("/proc/self/mounts").read_text().splitlines())
 
 
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_the_shared_copy_in_memory_or_on_disk(make_sandbox, ck_store, docker_client, monkeypatch, where):
     # in memory (a tmpfs of its own, the default where it fits) or on Docker's disk: the same
     # tree in every fork, copy-on-write, and gc unmounts and removes it once unused
-    monkeypatch.setattr(shared_layer, "LOWER_MODE", where)
+    monkeypatch.setattr(in_memory, "LOWER_MODE", where)
     src = make_sandbox()
     assert src.execute(ORIGIN_SETUP)["returncode"] == 0
     ck = full_checkpoint(src, ck_store, 1)
@@ -274,7 +283,7 @@ def test_the_shared_copy_in_memory_or_on_disk(make_sandbox, ck_store, docker_cli
     forks = fork(ck, 2, client=docker_client)
     root = _shared_root(docker_client, forks[0].shared_lower)
     try:
-        assert _mounted(root / "diff") == (where == "memory")
+        assert _mounted(root / "diff", in_memory.FORK) == (where == "memory")
         assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
         assert forks[0].execute(FORK_WRITES)["returncode"] == 0
         assert tree_hash(forks[1]) == at_ck and (root / "diff" / "w" / "a").read_text() == "base\n"
@@ -332,7 +341,7 @@ def test_gc_reaps_the_images_a_killed_forker_left_in_memory(make_sandbox, ck_sto
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     left = Path(p.stdout.strip())
     assert left.is_dir() and any(left.iterdir())
-    if shared_layer.memory_allowed(1 << 20):
-        assert _mounted(left)  # the verified images in a tmpfs of their own
+    if in_memory.memory_allowed(1 << 20):
+        assert _mounted(left, in_memory.FORK)  # the verified images in a tmpfs of their own
     sweep_shared_layers(docker_client)  # what `belayer gc` runs
     assert not left.exists() and not _mounted(left)
