@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
-    from belayer_env.checkpoint import prestaging, runtime, shared_layer
+    from belayer_env.checkpoint import ctrd_copies, prestaging, runtime, shared_layer
 
     if why := runtime.available():
         pytest.skip(f"CRIU checkpoints unavailable: {why}")
@@ -40,5 +40,7 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})
         assert not docker_client.api.images(name=f"belayer-bench:{run_id}-*")
         assert not Path(result["host"]["store"]).exists()
+        owner = result["host"]["owner"]  # containerd's copies of its restores (it never removes them)
+        assert not [d for d, nonce in ctrd_copies.copies() if nonce.endswith(f"~{owner}")]
         lowers = shared_layer.lowers_root(prestaging.docker_root(docker_client))
         assert not [p for p in (lowers.iterdir() if lowers.is_dir() else ()) if run_id in p.name]  # fork's shared layers

@@ -24,6 +24,7 @@ from belayer.cli import main as cli_main
 from belayer.errors import RestoreFailed, UsageError
 from belayer_env import fork
 from belayer_env.checkpoint import (
+    ctrd_copies,
     fence,
     full_checkpoint,
     full_restore,
@@ -32,6 +33,8 @@ from belayer_env.checkpoint import (
     shared_layer,
 )
 from belayer_env.checkpoint.manifest import read_manifest_digest
+from belayer_env.checkpoint.restore import wait_cleaned
+from belayer_env.checkpoint.store import owner_tag
 from belayer_env.fence import sandbox_containers
 from belayer_env.gc import list_managed, sweep_shared_layers
 from belayer_env.treehash import tree_hash
@@ -87,6 +90,9 @@ def test_fork_gives_independent_prefix_consistent_sandboxes(make_sandbox, ck_sto
             fence(docker_client, f.name, background=False)
     for f in forks:
         assert not sandbox_containers(docker_client, f.name, by_name=True)
+    # each fork's restore removed containerd's unpacked copy of its images (three at once, one checkpoint)
+    assert wait_cleaned(), "a restore's clean-up thread did not finish"
+    assert not [d for d, nonce in ctrd_copies.copies() if nonce.endswith(f"~{owner_tag()}")]
 
 
 def test_fork_rejects_bad_arguments(make_sandbox, ck_store, docker_client):
