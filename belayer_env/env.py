@@ -31,7 +31,7 @@ from belayer_env.checkpoint.restore import wait_cleaned
 from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
 from belayer_env.docker_api import connect
-from belayer_env.fence import fence, sandbox_containers
+from belayer_env.fence import fence, sandbox_containers, wait_removed
 from belayer_env.phases import Phase, PhaseHook
 from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
 from belayer_env.rewards import Reward, ZeroReward
@@ -247,6 +247,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             self.checkpointer.close()
             self._fence()
             wait_cleaned()  # the restores' spent copies, deleted on threads
+            wait_removed()  # the containers recoveries fenced, removed on threads
             self.sandbox = None
             self._done = True
             super().close()

@@ -15,7 +15,6 @@ outlives the fence.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import uuid
 from typing import Any
@@ -25,6 +24,7 @@ import requests
 
 from belayer.errors import SandboxLost
 from belayer_env import freezer
+from belayer_env.background import ThreadSet
 from belayer_env.docker_api import translate_errors
 from belayer_env.ownership import SANDBOX_NAME
 
@@ -107,10 +107,20 @@ def wait_not_running(client: docker.DockerClient, container_ids: list[str], sand
                 continue
 
 
+_removing = ThreadSet("belayer-fence-remove")
+
+
 def remove_in_background(client: docker.DockerClient, container_ids: list[str]) -> None:
+    """Remove fenced containers on threads: deleting a big writable layer takes seconds,
+    and nothing waits for it (they are dead and renamed aside already)."""
     for cid in container_ids:
-        threading.Thread(target=remove_quietly, args=(client, cid), daemon=True,
-                         name=f"belayer-fence-{cid[:12]}").start()
+        _removing.start(remove_quietly, client, cid)
+
+
+def wait_removed(timeout_s: float = 120.0) -> bool:
+    """Wait for this process's background removals (``env.close``, benchmarks between
+    timed calls); True when none is left. A dying process's: ``belayer gc``."""
+    return _removing.wait(timeout_s)
 
 
 def thaw(client: docker.DockerClient, container_id: str, *, paused: bool) -> None:

@@ -42,6 +42,10 @@ Each round starts with an agent-like step (a few small files written) so there i
 capture. ``--capture-only``: only the two captures and the restore, per round (short runs).
 ``--fork-only``: only a capture and the two forks (shared, copied), per round.
 
+Every timed call starts once the previous one's background work has finished (``settle``:
+a fenced container's removal and a restore's spent copies go on threads, off the critical
+path; a heavy container's removal takes seconds and would otherwise land in the next call).
+
 Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root). It runs again and
 again on one machine: every name it creates (containers, Docker checkpoints, images) carries a
 run id, every checkpoint copy it restores from carries a nonce file (Docker uploads the
@@ -73,10 +77,12 @@ from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full
 from belayer_env.checkpoint.ctrd_copies import remove as remove_ctrd_copy  # noqa: E402
 from belayer_env.checkpoint.ctrd_copies import write_nonce  # noqa: E402
 from belayer_env.checkpoint.manifest import read_manifest  # noqa: E402
+from belayer_env.checkpoint.restore import wait_cleaned  # noqa: E402
 from belayer_env.checkpoint.standby import Standby  # noqa: E402
 from belayer_env.checkpoint.store import owner_tag  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.fence import wait_removed  # noqa: E402
 from belayer_env.forking import fork  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
@@ -110,6 +116,13 @@ STANDBY_WAIT_S = 300.0
 
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def settle() -> None:
+    """Before each timed call: the previous one's work moved off its critical path (a fenced
+    container's removal, seconds for a heavy layer; spent copies) has finished, so it does not
+    land in this one's time (in an agent loop rollbacks are seconds apart)."""
+    assert wait_cleaned() and wait_removed(), "background clean-up of the previous call did not finish"
 
 
 def docker_checkpoint(client, sb: DockerSandbox, name: str) -> dict:
@@ -178,6 +191,7 @@ def standby_rollback(client, sb: DockerSandbox, ck) -> tuple[DockerSandbox, floa
 
 
 def fork_all(client, ck, n: int, share: bool = True) -> float:
+    settle()
     t0 = time.monotonic()
     forks = fork(ck, n, client=client, share=share)
     elapsed = time.monotonic() - t0
@@ -222,6 +236,7 @@ def capture_pair(sb: DockerSandbox, store: CheckpointStore, i: int, out: dict) -
     order = ("paused", "belayer") if i % 2 == 0 else ("belayer", "paused")
     ck = None
     for method in order:
+        settle()
         taken = full_checkpoint(sb, store, capture="paused" if method == "paused" else "incremental")
         for k in ("frozen_s", "total_s", "size_bytes"):
             out[method][k].append(getattr(taken, k))
@@ -254,6 +269,7 @@ def run_capture_only(client, scenario: str, runs: int, store: CheckpointStore, r
         for i in range(runs):
             ck = capture_pair(sb, store, i, out)
             if i % 2 == 1:  # every other round goes on from a restore (its next capture compares with it)
+                settle()
                 t0 = time.monotonic()
                 sb = full_restore(ck, client=client)
                 out["belayer"]["restore_s"].append(time.monotonic() - t0)
@@ -289,34 +305,42 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             images.append(dk["image"])
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["docker"][k].append(dk[k])
+            settle()
             out["docker"]["restore_s"].append(docker_restore(client, sb, dk, dk_name))
             delete_docker_checkpoint(client, sb.container_id, dk_name)
+            settle()
             t0 = time.monotonic()
             sb = full_restore(ck, client=client)
             out["belayer"]["restore_s"].append(time.monotonic() - t0)
+            settle()
             t0 = time.monotonic()
             assert prestage(ck, client) is not None, "nothing pre-staged"
             out["prestaged"]["prestage_s"].append(time.monotonic() - t0)
             phases: list[str] = []
+            settle()
             t0 = time.monotonic()
             sb = full_restore(ck, client=client, phase_hook=phases.append)
             out["prestaged"]["restore_s"].append(time.monotonic() - t0)
             assert "staged" in phases, phases
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["prestaged"][k].append(getattr(ck, k))
+            settle()
             t0 = time.monotonic()
             assert prestage(ck, client) is not None, "nothing pre-staged"
             out["prestaged_copied"]["prestage_s"].append(time.monotonic() - t0)
             phases = []
+            settle()
             t0 = time.monotonic()
             sb = full_restore(ck, client=client, phase_hook=phases.append, images="copied")
             out["prestaged_copied"]["restore_s"].append(time.monotonic() - t0)
             assert "staged" in phases, phases
+            settle()
             sb, prepare_s, rollback_s = standby_rollback(client, sb, ck)
             out["standby"]["prepare_s"].append(prepare_s)
             out["standby"]["restore_s"].append(rollback_s)
             if fork_n:
                 fork_pair(client, ck, fork_n, i, out)
+            settle()
             out["cold"]["restore_s"].append(cold_start(client, sb.config))
             loads.append(os.getloadavg())
             print(f"  {scenario} run {i + 1}/{runs}: standby rollback {rollback_s * 1e3:.0f} ms (prepare "

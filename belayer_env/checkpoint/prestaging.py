@@ -40,8 +40,8 @@ import docker
 
 from belayer.errors import InfraError
 from belayer_env import disk
+from belayer_env.background import Background
 from belayer_env.checkpoint import in_memory, layer, runtime
-from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_alive, owner_tag
 from belayer_env.docker_api import connect, translate_errors

@@ -45,8 +45,8 @@ import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
 from belayer_env import disk, fence, loopback
+from belayer_env.background import Background, ThreadSet
 from belayer_env.checkpoint import ctrd_copies, in_memory, layer, prestaging, runtime, shared_layer
-from belayer_env.checkpoint.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect, translate_errors
@@ -300,8 +300,7 @@ def _unpack_layer(ck: Checkpoint, data: dict[str, Any], d: Path) -> None:
     layer.install(tar, d, data["files"]["layer.tar"])
 
 
-_cleaning: set[threading.Thread] = set()
-_cleaning_lock = threading.Lock()
+_cleaning = ThreadSet("belayer-restore-clean")
 
 
 def _clean(paths: list[Path], parts: list[_Staged], nonces: list[str]) -> None:
@@ -314,33 +313,14 @@ def _clean(paths: list[Path], parts: list[_Staged], nonces: list[str]) -> None:
 
 
 def _clean_later(paths: list[Path], parts: list[_Staged], nonces: list[str]) -> None:
-    def run() -> None:
-        try:
-            _clean(paths, parts, nonces)
-        finally:
-            with _cleaning_lock:
-                _cleaning.discard(threading.current_thread())
-
-    thread = threading.Thread(target=run, daemon=True, name="belayer-restore-clean")
-    with _cleaning_lock:
-        _cleaning.add(thread)
-    thread.start()
+    _cleaning.start(_clean, paths, parts, nonces)
 
 
 def wait_cleaned(timeout_s: float = 120.0) -> bool:
     """Wait for this process's restores to finish deleting their spent copies (``env.close``,
     tests); True when none is left. What a dying process leaves is removed by the next
-    restore or prestage (``prestaging.clean_dead_staging``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with _cleaning_lock:
-            threads = list(_cleaning)
-        if not threads:
-            return True
-        threads[0].join(max(0.0, deadline - time.monotonic()))
-        if time.monotonic() >= deadline:
-            with _cleaning_lock:
-                return not _cleaning
+    restore or prestage (``prestaging.clean_dead_staging``) and ``belayer gc``."""
+    return _cleaning.wait(timeout_s)
 
 
 def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> list[str]:

@@ -1,0 +1,72 @@
+"""``Background``: a function on a thread whose result or error the caller collects later
+(a restore's fence beside its create, a prestage's image check beside its unpack).
+``ThreadSet``: fire-and-forget work whose end can still be awaited."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Background:
+    """``fn(*args, **kwargs)`` on a daemon thread; ``result()`` joins it and returns its value or raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "belayer-bg", **kwargs: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True, name=name)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        try:
+            self._value = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class ThreadSet:
+    """Work moved off a critical path onto daemon threads (a restore's spent copies, a
+    fenced container's removal) that ``wait`` can still see through: ``env.close``
+    before it returns, a benchmark before its next timed call."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def start(self, fn: Callable[..., Any], *args: Any) -> None:
+        def run() -> None:
+            try:
+                fn(*args)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, daemon=True, name=self.name)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every thread started so far; True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                threads = list(self._threads)
+            if not threads:
+                return True
+            threads[0].join(max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    return not self._threads
