@@ -43,8 +43,9 @@ capture. ``--capture-only``: only the two captures and the restore, per round (s
 ``--fork-only``: only a capture and the two forks (shared, copied), per round.
 
 Every timed call starts once the previous one's background work has finished (``settle``:
-a fenced container's removal and a restore's spent copies go on threads, off the critical
-path; a heavy container's removal takes seconds and would otherwise land in the next call).
+a fenced container's removal, a restore's spent copies and the write-back of what a prestage
+or a restore wrote go on threads, off the critical path; a heavy container's removal takes
+seconds and would otherwise land in the next call).
 
 Run: ``python benchmarks/checkpoint_bench.py --runs 10`` (needs Docker + CRIU, root). It runs again and
 again on one machine: every name it creates (containers, Docker checkpoints, images) carries a
@@ -86,6 +87,7 @@ from belayer_env.fence import wait_removed  # noqa: E402
 from belayer_env.forking import fork  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
+from belayer_env.writeback import wait_flushed  # noqa: E402
 
 HEAVY_SETUP = r"""
 set -e
@@ -122,7 +124,7 @@ def settle() -> None:
     """Before each timed call: the previous one's work moved off its critical path (a fenced
     container's removal, seconds for a heavy layer; spent copies) has finished, so it does not
     land in this one's time (in an agent loop rollbacks are seconds apart)."""
-    assert wait_cleaned() and wait_removed(), "background clean-up of the previous call did not finish"
+    assert wait_cleaned() and wait_removed() and wait_flushed(), "background work of the previous call did not finish"
 
 
 def docker_checkpoint(client, sb: DockerSandbox, name: str) -> dict:

@@ -25,7 +25,6 @@ nothing published (staging is removed, or reaped later by
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import threading
@@ -37,7 +36,7 @@ from typing import Any
 import docker
 
 from belayer.errors import BelayerError, CheckpointFailed, InfraError, UsageError
-from belayer_env import disk, freezer
+from belayer_env import disk, freezer, writeback
 from belayer_env.checkpoint import incremental, layer, runtime, shared_layer
 from belayer_env.checkpoint.criu_hooks import dump_stats
 from belayer_env.checkpoint.manifest import Checkpoint, copy_hashed, write_manifest
@@ -46,7 +45,6 @@ from belayer_env.docker_api import translate_errors
 from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.protocol import Sandbox
 
-_libc = ctypes.CDLL(None, use_errno=True)
 CAPTURE_MODES = ("incremental", "paused")
 
 
@@ -374,19 +372,8 @@ def _write_artifacts(scratch: Path, staging: Path, with_layer: bool = True) -> d
         with open(src, "rb") as fi, open(staging / rel, "wb") as fo:
             size, digest = copy_hashed(fi, fo)
         files[rel] = {"size": size, "sha256": digest}
-    _sync_fs(staging)
+    writeback.syncfs(staging)  # the store's file system in one call, not one fsync per image
     return files
-
-
-def _sync_fs(path: Path) -> None:
-    """Flush the store's file system in one call (syncfs), instead of one fsync per image."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if _libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 def _why(e: BaseException) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 import docker
 
 from belayer.errors import InfraError
-from belayer_env import disk
+from belayer_env import disk, writeback
 from belayer_env.background import Background
 from belayer_env.checkpoint import in_memory, layer, runtime
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
@@ -134,6 +134,7 @@ def prestage(checkpoint: Checkpoint, client: docker.DockerClient | None = None, 
             shutil.rmtree(work, ignore_errors=True)  # gone already when renamed
         hook(Phase.STAGED)
         _drop_older(tmp, ck.sandbox)
+        writeback.flush_later(tmp)  # not left for the restore's fsyncs to wait for (``writeback``)
         return final if final.exists() else None
     finally:
         done.set()

@@ -44,7 +44,7 @@ from typing import Any, Literal, get_args
 import docker
 
 from belayer.errors import BelayerError, RestoreFailed, UsageError
-from belayer_env import disk, fence, loopback
+from belayer_env import disk, fence, loopback, writeback
 from belayer_env.background import Background, ThreadSet
 from belayer_env.checkpoint import ctrd_copies, in_memory, layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
@@ -126,6 +126,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     cid, fenced, degraded = None, [], not ck.has_runtime
     images_dir: Path | None = None
     nonce: str | None = None  # names containerd's copy of the images once the start has run
+    layer_fs: Path | None = None  # where this restore wrote the layer (not a pre-made file system)
     try:
         for part in (fs, runtime_images) if shared is None or target == ck.sandbox else ():
             if part is not None:
@@ -145,7 +146,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
             hook(Phase.CREATED)
             if fs is not None:
-                fs.move_to(layer.upper_dir(info))
+                layer_fs = layer.upper_dir(info)
+                fs.move_to(layer_fs)
             elif shared is not None:
                 shared.wait_ready()  # unpacked and verified (made beside the creates: ``fork``)
             layer_ns = time.time_ns()  # the whole layer is in place (moved or mounted), nothing of the container ran yet
@@ -181,7 +183,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                 degraded = True
                 cid, info = _create(client, ck, data, target, target, shared=shared)
                 if shared is None:
-                    layer.install(Path(ck.path) / "layer.tar", layer.upper_dir(info), data["files"]["layer.tar"])
+                    layer_fs = layer.upper_dir(info)
+                    layer.install(Path(ck.path) / "layer.tar", layer_fs, data["files"]["layer.tar"])
                 layer_ns = time.time_ns()
         if degraded:
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
@@ -208,6 +211,10 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         nonces = [nonce] if nonce is not None else []  # containerd's copy (``ctrd_copies``)
         if sys.exc_info()[0] is None:
             _clean_later(spent, parts, nonces)
+            # what this restore wrote (a layer copied into a capped file system: its own
+            # file system, then Docker's, which holds its image) is not left for the next
+            # restore's fsyncs to wait for (``writeback``)
+            writeback.flush_later(*([layer_fs] if layer_fs is not None else []), tmp)
         else:
             _clean(spent, parts, nonces)
         fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
