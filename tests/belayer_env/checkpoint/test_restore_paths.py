@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from belayer.errors import InfraError, RestoreFailed, UsageError
-from belayer_env.checkpoint import ctrd_copies, full_checkpoint, full_restore, prestage
+from belayer_env.checkpoint import ctrd_copies, full_checkpoint, full_restore, in_memory, prestage
 from belayer_env.checkpoint.prestaging import LAYER_IMAGE, PREFIX, docker_root, docker_tmp
-from belayer_env.checkpoint.restore import RESTORE_NAME, wait_cleaned
+from belayer_env.checkpoint.restore import RESTORE_NAME, _same_mount, wait_cleaned
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.disk import layer_dir
 from belayer_env.gc import list_managed, reap
@@ -60,6 +60,16 @@ def leftovers_in_tmp(client) -> list[Path]:
     assert ctrd_copies.temp_dirs(), "containerd's temp dir not found: its copies would go unchecked"
     return ([d for d in docker_tmp(client).glob(f"{PREFIX}*~{owner_tag()}") if "-staged-" not in d.name]
             + [d for d, nonce in ctrd_copies.copies() if nonce.endswith(f"~{owner_tag()}")])
+
+
+def pages_to_restore(client, name: str) -> list[Path]:
+    """The pages images in the checkpoint directory of the container a restore of sandbox
+    ``name`` has created and not started yet (a phase hook's view)."""
+    [new] = client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={name}", "status": "created"})
+    ckdir = Path(docker_root(client)) / "containers" / new["Id"] / "checkpoints" / RESTORE_NAME
+    pages = sorted(ckdir.glob("pages-*.img"))
+    assert pages, list(ckdir.iterdir())
+    return pages
 
 
 def assert_ordinary_docker_container(client, sb) -> None:
@@ -139,12 +149,7 @@ def test_failed_criu_restore_leaves_nothing_and_a_retry_restores(images, make_sa
         """After verification, right before the start: a pages image vanishes (CRIU must fail)."""
         if phase != "runtime_verified":
             return
-        [new] = docker_client.api.containers(all=True, filters={"label": f"{SANDBOX_NAME}={sb.name}",
-                                                                "status": "created"})
-        ckdir = Path(docker_root(docker_client)) / "containers" / new["Id"] / "checkpoints" / RESTORE_NAME
-        pages = sorted(ckdir.glob("pages-*.img"))
-        assert pages, list(ckdir.iterdir())
-        for p in pages:
+        for p in pages_to_restore(docker_client, sb.name):
             p.resolve().unlink()  # the verified file itself (a link in "linked" mode)
 
     with pytest.raises(RestoreFailed, match="CRIU restore failed") as e:
@@ -219,3 +224,37 @@ def test_restore_of_a_sandbox_whose_cwd_is_not_in_the_image(make_sandbox, ck_sto
         assert tree_hash(sb, exclude=EXCLUDE) == before
         assert sb.execute("cat f")["output"] == "state\n"
         assert leftovers_in_tmp(docker_client) == []
+
+
+def _mount_of(path: Path) -> tuple[str, str, str]:
+    """(mount point, fstype, source) of the mount holding ``path``."""
+    best = ("", "", "")
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        source, point, fstype = line.split()[:3]
+        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+            best = (point, fstype, source)
+    return best
+
+
+def test_not_prestaged_images_are_verified_into_memory_and_unmounted_after(make_sandbox, ck_store, docker_client):
+    """Images that cannot be hardlinked into Docker's tmp dir (another mount) are copied +
+    verified into a tmpfs of the restore's own, which goes once the restore is done."""
+    sb = make_sandbox()
+    start_counter(sb, heap_mib=20)
+    ck = full_checkpoint(sb, ck_store, 1)
+    cross_mount = not _same_mount(Path(ck.path) / "manifest.json", docker_tmp(docker_client))
+    held: list[tuple[str, str, str]] = []
+
+    def where_images_are(phase: str) -> None:
+        if phase == "runtime_verified":
+            held.append(_mount_of(pages_to_restore(docker_client, sb.name)[0].resolve()))
+
+    restored = full_restore(ck, client=docker_client, use_staged=False, phase_hook=where_images_are)
+    wait_until(lambda: log_state(restored)[1] and log_state(restored)[0] > 0, 30, "restored counter consistent")
+    [(point, fstype, source)] = held
+    if cross_mount:  # the store is on another mount (here: /tmp vs Docker's bind-mounted root)
+        assert (fstype, source) == ("tmpfs", in_memory.RESTORE), held
+        assert leftovers_in_tmp(docker_client) == []
+        assert not os.path.ismount(point), f"the restore's tmpfs {point} is still mounted"
+    else:  # hardlinks into Docker's tmp dir: nothing copied at all
+        assert fstype != "tmpfs", held
