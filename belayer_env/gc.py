@@ -88,12 +88,14 @@ def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> lis
     return remove_all(client, containers).removed
 
 
-def sweep_shared_layers(client: docker.DockerClient) -> list[str]:
+def sweep_shared_layers(client: docker.DockerClient, *, dry_run: bool = False) -> list[str]:
     """Remove the shared layers of forks (``checkpoint.shared_layer``) that no container
-    uses and no fork is being made from; the names removed. Also what dead processes left
-    in Docker's tmp dir (``prestaging.clean_dead_staging``: a fork's in-memory images are
-    a tmpfs there, held until the next restore otherwise)."""
+    uses and no fork is being made from; the names removed (``dry_run``: that it would
+    remove now). Also what dead processes left in Docker's tmp dir
+    (``prestaging.clean_dead_staging``: a fork's in-memory images are a tmpfs there, held
+    until the next restore otherwise)."""
     from belayer_env.checkpoint import prestaging, shared_layer
 
-    prestaging.clean_dead_staging(prestaging.docker_tmp(client))
-    return shared_layer.sweep(client, prestaging.docker_root(client))
+    if not dry_run:
+        prestaging.clean_dead_staging(prestaging.docker_tmp(client))
+    return shared_layer.sweep(client, prestaging.docker_root(client), dry_run=dry_run)

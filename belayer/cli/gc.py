@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     targets = [c for c in managed if args.all or c.orphaned]
     report = GcReport() if args.dry_run else remove_all(client, targets)
     removed, failed = report.removed, report.failed
-    shared_layers = [] if args.dry_run else sweep_shared_layers(client)  # after the containers that used them
+    shared_layers = sweep_shared_layers(client, dry_run=args.dry_run)  # after the containers that used them
     copies = [str(p) for p in ctrd_copies.sweep(dry_run=args.dry_run)]  # containerd's, of dead restores
     if args.json:
         print(json.dumps({
@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         for path in arena_files:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (arena process gone)")
         for name in shared_layers:
-            print(f"{'removed':>12}  shared fork layer {name}  (no container uses it)")
+            print(f"{'would remove' if args.dry_run else 'removed':>12}  shared fork layer {name}  "
+                  "(no container uses it" + (" now)" if args.dry_run else ")"))
         for path in copies:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (containerd's copy of a "
                   "checkpoint; its restore's process is gone)")

@@ -321,9 +321,10 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def sweep(client: docker.DockerClient, docker_root: str | Path) -> list[str]:
+def sweep(client: docker.DockerClient, docker_root: str | Path, *, dry_run: bool = False) -> list[str]:
     """Remove every shared copy that no container uses and no fork is being made from,
-    with its link; and what a killed maker left. Returns the names removed."""
+    with its link; and what a killed maker left. Returns the names removed (``dry_run``:
+    the names it would remove, removing nothing)."""
     base = lowers_root(docker_root)
     removed: list[str] = []
     if not base.is_dir():
@@ -331,7 +332,8 @@ def sweep(client: docker.DockerClient, docker_root: str | Path) -> list[str]:
     for root in sorted(base.iterdir()):
         if root.name.startswith(".new-"):
             if not owner_alive(root.name):
-                _rmtree(root)
+                if not dry_run:
+                    _rmtree(root)
                 removed.append(root.name)
             continue
         fd = _open_dir(root)
@@ -348,12 +350,15 @@ def sweep(client: docker.DockerClient, docker_root: str | Path) -> list[str]:
                 users = client.api.containers(all=True, filters={"label": f"{LABEL}={root.name}"})
             if users:
                 continue
-            _remove(root)
+            if not dry_run:
+                _remove(root)
             removed.append(root.name)
         finally:
             os.close(fd)
     link_dir = Path(docker_root) / "overlay2" / "l"
     with contextlib.suppress(OSError):
+        if dry_run:
+            return removed
         for link in link_dir.glob(f"{LINK_PREFIX}*"):
             if link.is_symlink() and not link.exists():  # its copy is gone (a killed sweep)
                 link.unlink(missing_ok=True)

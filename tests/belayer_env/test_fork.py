@@ -212,6 +212,8 @@ def test_gc_removes_shared_layers_no_container_uses(make_sandbox, ck_store, dock
     with shared_layer.lease(docker_client, ck, prestaging.docker_root(docker_client), data, digest) as held:
         assert held is not None and held.name == name
         assert name not in sweep_shared_layers(docker_client) and root.is_dir()
+    assert cli_main(["gc", "--dry-run", "--json"]) == 0  # lists it, removes nothing
+    assert name in json.loads(capsys.readouterr().out)["shared_layers"] and root.is_dir() and link.is_symlink()
     assert cli_main(["gc", "--json"]) == 0
     assert name in json.loads(capsys.readouterr().out)["shared_layers"]
     assert not root.exists() and not os.path.lexists(link)
