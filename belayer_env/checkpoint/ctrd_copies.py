@@ -28,6 +28,7 @@ from belayer_env.checkpoint.store import owner_alive, owner_tag
 
 PREFIX = "ctrd-checkpoint"
 NONCE_FILE = "belayer-nonce"
+NONCE_MAX = 128  # ours are 32 hex digits, "~", pid and start ticks
 LEGACY_AGE_S = 3600.0
 """A nonce without an owner was written by an older Belayer: its restore ended long before
 this age (a restore is bounded by ``restore.RUNNING_TIMEOUT_S``)."""
@@ -85,11 +86,23 @@ def copies() -> list[tuple[Path, str]]:
         with contextlib.suppress(OSError):
             for entry in os.scandir(tmp):
                 if entry.name.startswith(PREFIX) and entry.is_dir(follow_symlinks=False):
-                    nonce = ""
-                    with contextlib.suppress(OSError, UnicodeDecodeError):
-                        nonce = (Path(entry.path) / NONCE_FILE).read_text().strip()
-                    out.append((Path(entry.path), nonce))
+                    out.append((Path(entry.path), _read_nonce(Path(entry.path) / NONCE_FILE)))
     return out
+
+
+def _read_nonce(path: Path) -> str:
+    """The nonce in ``path``, "" when there is none. At most ``NONCE_MAX`` bytes are read and
+    a symlink is not followed: the temp dir may be /tmp, where anyone can make such a file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, NONCE_MAX).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _is_containerd(pid: int) -> bool:

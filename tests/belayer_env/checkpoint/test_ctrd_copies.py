@@ -85,3 +85,17 @@ def test_nonce_names_this_process_as_owner(tmp_path):
     nonce = ctrd_copies.write_nonce(tmp_path)
     assert (tmp_path / ctrd_copies.NONCE_FILE).read_text() == nonce
     assert nonce.endswith(f"~{owner_tag()}") and nonce != ctrd_copies.write_nonce(tmp_path)
+
+
+def test_a_nonce_file_is_read_bounded_and_never_through_a_link(containerd_tmp, tmp_path):
+    """The temp dir may be /tmp: another user's huge or linked "nonce" is not Belayer's."""
+    huge = containerd_tmp(None)
+    (huge / ctrd_copies.NONCE_FILE).write_bytes(b"a" * (1 << 20))  # no owner in the bounded read
+    linked = containerd_tmp(None)
+    secret = tmp_path / "secret"
+    secret.write_text(f"{uuid.uuid4().hex}~{_dead_owner_tag()}")
+    (linked / ctrd_copies.NONCE_FILE).symlink_to(secret)
+    found = dict(ctrd_copies.copies())
+    assert len(found[huge]) == ctrd_copies.NONCE_MAX and found[linked] == ""
+    ctrd_copies.sweep()
+    assert huge.exists() and linked.exists() and secret.exists()
