@@ -24,6 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
+from belayer.procfs import ProcStat, processes, read_stat
 from belayer_env.checkpoint.store import owner_alive, owner_tag
 
 PREFIX = "ctrd-checkpoint"
@@ -50,12 +51,12 @@ def temp_dirs() -> list[Path]:
     one). Empty where none is visible (not root, or another pid namespace): then there is
     nothing here to clean."""
     with _temp_dirs_lock:
-        if not _temp_dirs or not all(_is_containerd(pid) for pid in _temp_dirs):
+        if not _temp_dirs or not all(_is_containerd(read_stat(pid)) for pid in _temp_dirs):
             _temp_dirs.clear()
-            for entry in os.scandir("/proc"):
-                if entry.name.isdigit() and _is_containerd(int(entry.name)):
+            for proc in processes():
+                if _is_containerd(proc):
                     with contextlib.suppress(OSError):
-                        _temp_dirs[int(entry.name)] = _temp_dir_of(int(entry.name))
+                        _temp_dirs[proc.pid] = _temp_dir_of(proc.pid)
         return sorted(set(_temp_dirs.values()))
 
 
@@ -105,11 +106,8 @@ def _read_nonce(path: Path) -> str:
         os.close(fd)
 
 
-def _is_containerd(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == "containerd"
-    except OSError:
-        return False
+def _is_containerd(proc: ProcStat | None) -> bool:
+    return proc is not None and proc.comm == "containerd"
 
 
 def _temp_dir_of(pid: int) -> Path:
