@@ -1,4 +1,5 @@
-"""The one reader of ``/proc/PID/stat`` and the one owner-liveness rule (torch-free core).
+"""The one reader of ``/proc/PID/stat``, of ``/proc/self/mounts``, and the one owner-liveness
+rule (torch-free core).
 
 Anything Belayer leaves behind for a later reaper (containers, staging directories, shared
 memory files) names its owner as an ``OwnerId``: (pid, process start time). A pid alone is
@@ -10,6 +11,7 @@ field 22 of ``/proc/PID/stat``) tells the two apart.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 PF_EXITING = 0x4
@@ -110,3 +112,44 @@ def owner_alive(label: str) -> bool:
     """
     owner = OwnerId.from_label(label)
     return owner is not None and owner.alive()
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of ``/proc/self/mounts`` (octal escapes such as ``\\040`` decoded)."""
+
+    source: str
+    target: str
+    fstype: str
+    options: str
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts() -> list[Mount]:
+    """This process's mount table, in mount order (a later one over an earlier one at the
+    same target hides it)."""
+    out = []
+    try:
+        with open("/proc/self/mounts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 4:
+            out.append(Mount(*(_unescape(x) for x in fields[:4])))
+    return out
+
+
+def mount_of(path: str) -> Mount | None:
+    """The mount that ``path`` (absolute, symlinks resolved by the caller) is on: the one
+    with the longest target containing it, the topmost at that target."""
+    best: Mount | None = None
+    for m in mounts():
+        inside = path == m.target or path.startswith(m.target.rstrip("/") + "/")
+        if inside and (best is None or len(m.target) >= len(best.target)):
+            best = m
+    return best

@@ -62,15 +62,35 @@ def _mem_available() -> int:
     return 0
 
 
-def try_mount_tmpfs(path: Path, size: int, *, source: str, mode: str = "0755") -> bool:
-    """A tmpfs of ``size`` bytes at ``path``, ``source`` naming its maker (``FORK``,
-    ``PRESTAGE``, ``RESTORE``); False if it cannot be mounted (then: disk)."""
+def try_mount_tmpfs(path: Path, size: int | None, *, source: str, mode: str = "0755") -> bool:
+    """A tmpfs of ``size`` bytes (None: the kernel's default, half the RAM) at ``path``,
+    ``source`` naming its maker (``FORK``, ``PRESTAGE``, ``RESTORE``, ``scratch.SOURCE``);
+    False if it cannot be mounted (then: disk). Mounted with ``huge=within_size`` where the
+    kernel has it: files written in large writes (CRIU's page images, copied or dumped)
+    get large folios, 3-4x faster to write here (``scratch``); small files still take 4 KiB."""
+    options = ([f"size={size}"] if size is not None else []) + [f"mode={mode}"]
+    for extra in ([HUGE_OPTION], []) if huge_supported() else ([],):
+        try:
+            p = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options + extra), source, str(path)],
+                               capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        if p.returncode == 0:
+            return True
+    return False
+
+
+HUGE_OPTION = "huge=within_size"
+
+
+def huge_supported() -> bool:
+    """Whether tmpfs can be mounted with ``HUGE_OPTION`` here (transparent huge pages for
+    shmem built in and not denied)."""
     try:
-        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", source, str(path)],
-                           capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+        modes = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
         return False
-    return p.returncode == 0
+    return "within_size" in modes and "[deny]" not in modes and "[force]" not in modes
 
 
 def umount(path: Path) -> None:

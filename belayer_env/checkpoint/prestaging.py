@@ -39,6 +39,7 @@ from pathlib import Path
 import docker
 
 from belayer.errors import InfraError
+from belayer.procfs import mounts
 from belayer_env import disk, writeback
 from belayer_env.background import Background
 from belayer_env.checkpoint import in_memory, layer, runtime
@@ -229,11 +230,9 @@ def _umount_under(d: Path) -> None:
     busy; else ``rmtree`` empties a tmpfs but leaves it mounted, its directory impossible to
     remove)."""
     prefix = str(d)
-    with contextlib.suppress(OSError):
-        points = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
-                  if len(line.split()) > 1]
-        for point in sorted((p for p in points if p == prefix or p.startswith(prefix + "/")), key=len, reverse=True):
-            in_memory.umount(Path(point))
+    points = {m.target for m in mounts() if m.target == prefix or m.target.startswith(prefix + "/")}
+    for point in sorted(points, key=len, reverse=True):
+        in_memory.umount(Path(point))
 
 
 def _begin(ck_id: str) -> threading.Event:

@@ -23,6 +23,7 @@ from pathlib import Path
 from belayer.errors import CheckpointFailed, CheckpointNotFound, ConfigError, UsageError
 from belayer.procfs import OwnerId
 from belayer.procfs import owner_alive as _label_owner_alive
+from belayer_env.checkpoint import scratch as scratch_space
 from belayer_env.checkpoint.manifest import Checkpoint, checkpoint_from_manifest, read_manifest
 from belayer_env.config import parse_size
 
@@ -72,7 +73,9 @@ class CheckpointStore:
     """Published checkpoints under ``path``; ``keep`` newest per sandbox (None: keep all).
 
     ``scratch`` is where the frozen part writes (tmpfs by default, so the freeze never
-    waits on a disk); the artifacts are copied, hashed and fsynced into ``path`` after thaw.
+    waits on a disk: ``/dev/shm/belayer-scratch``, a large-folio tmpfs of its own where it
+    can be, see ``checkpoint.scratch``); the artifacts are copied, hashed and fsynced into
+    ``path`` after thaw.
     ``max_layer_bytes`` bounds what one capture may put there and on the store's disk: a
     bigger writable layer fails the checkpoint (``CheckpointFailed`` naming the limit) before
     the sandbox is frozen. ``create=False`` opens an existing store and creates nothing (a
@@ -99,7 +102,10 @@ class CheckpointStore:
         for sub in ("", STAGING, TRASH, LOCKS):
             (self.path / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
-        self.scratch_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if base is not None and base == DEFAULT_SCRATCH:
+            scratch_space.prepare(self.scratch_root)  # its own large-folio tmpfs where it can
+        else:
+            self.scratch_root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ writing
 
@@ -109,9 +115,7 @@ class CheckpointStore:
         return d
 
     def new_scratch(self, checkpoint_id: str) -> Path:
-        d = self.scratch_root / f"{checkpoint_id}~{owner_tag()}"
-        d.mkdir(mode=0o700)
-        return d
+        return scratch_space.new_dir(self.scratch_root, f"{checkpoint_id}~{owner_tag()}")
 
     def publish(self, staging: Path, sandbox: str, checkpoint_id: str) -> Checkpoint:
         """Atomically move a fully written, fsynced staging dir into place."""

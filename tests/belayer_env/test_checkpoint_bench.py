@@ -44,3 +44,23 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         assert not [d for d, nonce in ctrd_copies.copies() if nonce.endswith(f"~{owner}")]
         lowers = shared_layer.lowers_root(prestaging.docker_root(docker_client))
         assert not [p for p in (lowers.iterdir() if lowers.is_dir() else ()) if run_id in p.name]  # fork's shared layers
+
+
+def test_scratch_ab_measures_both_scratch_kinds_and_cleans_up(tmp_path, docker_client):
+    from belayer_env.checkpoint import in_memory, runtime
+
+    if why := runtime.available():
+        pytest.skip(f"CRIU checkpoints unavailable: {why}")
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scratch_ab.py"), "--runs", "1",
+                           "--scenarios", "idle", "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    idle = result["scenarios"]["idle"]
+    assert idle["plain"]["frozen_s"]["n"] == 1 and idle["large"]["frozen_s"]["n"] == 1
+    assert idle["plain"]["criu_memdump_s"]["p50"] > 0 and idle["large"]["criu_memdump_s"]["p50"] > 0
+    if in_memory.huge_supported() and os.geteuid() == 0:
+        assert "huge=within_size" in result["scratch"]["large"], result["scratch"]
+    assert not Path(result["scratch"]["plain"]).exists(), "the plain scratch was left behind"
+    assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{result['host']['run_id']}"})

@@ -22,6 +22,7 @@ import pytest
 
 from belayer.cli import main as cli_main
 from belayer.errors import RestoreFailed, UsageError
+from belayer.procfs import mounts
 from belayer_env import fork
 from belayer_env.checkpoint import (
     ctrd_copies,
@@ -275,8 +276,7 @@ def test_uncapped_forks_share_too(make_sandbox, ck_store, docker_client):
 
 def _mounted(path: Path, source: str | None = None) -> bool:
     """``path`` is a mount point (made by ``source``: ``in_memory.FORK``, ... when given)."""
-    return any(line.split()[1] == str(path) and source in (None, line.split()[0])
-               for line in Path("/proc/self/mounts").read_text().splitlines())
+    return any(m.target == str(path) and source in (None, m.source) for m in mounts())
 
 
 @pytest.mark.parametrize("where", ["memory", "disk"])

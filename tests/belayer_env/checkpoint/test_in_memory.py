@@ -9,17 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from belayer.procfs import mounts
 from belayer_env.checkpoint import in_memory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
 def _source_of(path: Path) -> str | None:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        source, point = line.split()[:2]
-        if point == str(path):
-            return source
-    return None
+    return next((m.source for m in reversed(mounts()) if m.target == str(path)), None)
 
 
 @pytest.mark.parametrize("source", [in_memory.FORK, in_memory.PRESTAGE, in_memory.RESTORE])
@@ -60,3 +57,22 @@ def test_memory_cap_bounds():
     assert cap is None or cap == 4 * small + (16 << 20)
     if in_memory.LOWER_MODE != "memory":
         assert in_memory.memory_cap(in_memory.MEMORY_MAX_BYTES + 1) is None
+
+
+@pytest.mark.skipif(not in_memory.huge_supported(), reason="no transparent huge pages for shmem on this kernel")
+def test_large_folios_without_a_huge_page_per_small_file(tmp_path):
+    """``huge=within_size``: large writes get large folios; 200 small files must not take
+    2 MiB each (what ``huge=always`` costs), a layer's thousands of files stay affordable."""
+    d = tmp_path / "tree"
+    d.mkdir()
+    assert in_memory.try_mount_tmpfs(d, 64 << 20, source=in_memory.FORK)
+    try:
+        options = next(m.options for m in reversed(mounts()) if m.target == str(d))
+        assert in_memory.HUGE_OPTION in options.split(","), options
+        for i in range(200):
+            (d / f"small{i}").write_bytes(b"x" * 100)
+        st = os.statvfs(d)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        assert used <= 200 * 16 * 1024, f"200 files of 100 bytes took {used} bytes of the tmpfs"
+    finally:
+        in_memory.umount(d)

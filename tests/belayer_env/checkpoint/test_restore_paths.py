@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from belayer.errors import InfraError, RestoreFailed, UsageError
+from belayer.procfs import mount_of
 from belayer_env.checkpoint import ctrd_copies, full_checkpoint, full_restore, in_memory, prestage
 from belayer_env.checkpoint.prestaging import LAYER_IMAGE, PREFIX, docker_root, docker_tmp
 from belayer_env.checkpoint.restore import RESTORE_NAME, _same_mount, wait_cleaned
@@ -228,12 +229,8 @@ def test_restore_of_a_sandbox_whose_cwd_is_not_in_the_image(make_sandbox, ck_sto
 
 def _mount_of(path: Path) -> tuple[str, str, str]:
     """(mount point, fstype, source) of the mount holding ``path``."""
-    best = ("", "", "")
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        source, point, fstype = line.split()[:3]
-        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
-            best = (point, fstype, source)
-    return best
+    m = mount_of(str(path))
+    return (m.target, m.fstype, m.source) if m is not None else ("", "", "")
 
 
 def test_not_prestaged_images_are_verified_into_memory_and_unmounted_after(make_sandbox, ck_store, docker_client):
