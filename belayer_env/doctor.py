@@ -181,8 +181,11 @@ def check_scratch() -> Check:
     options = scratch.mount_options(root)
     if options is not None:
         return Check("capture scratch", True, f"{root}: tmpfs {options}", "", required=False)
+    busy = root.is_dir() and any(root.iterdir())
     why = ("transparent huge pages for shmem unavailable" if not in_memory.huge_supported() else
-           "not root" if os.geteuid() != 0 else "not mounted yet (the first checkpoint store mounts it)")
+           "not root" if os.geteuid() != 0 else
+           "it holds captures' scratch: mounted once empty, `belayer gc` removes dead ones" if busy else
+           "not mounted yet: the first checkpoint store mounts it")
     return Check("capture scratch", False, f"{root}: a plain directory of /dev/shm ({why})",
                  "a kernel with CONFIG_TRANSPARENT_HUGEPAGE and root, or nothing: captures work, "
                  "a large memory dump is slower", required=False)
