@@ -79,7 +79,8 @@ def is_mounted(root: Path) -> bool:
 
 def mount_options(root: Path) -> str | None:
     """The options of the scratch tmpfs mounted at ``root`` (None: not mounted)."""
-    mount = mount_of(os.path.realpath(root))
-    if mount is None or mount.source != SOURCE or mount.fstype != "tmpfs" or mount.target != os.path.realpath(root):
+    target = os.path.realpath(root)
+    mount = mount_of(target)
+    if mount is None or mount.source != SOURCE or mount.fstype != "tmpfs" or mount.target != target:
         return None
     return mount.options

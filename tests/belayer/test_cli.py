@@ -96,7 +96,7 @@ def test_checkpoint_cli_errors_are_one_line_and_create_nothing(tmp_path):
 
 def test_doctor_says_what_the_capture_scratch_is(monkeypatch, tmp_path):
     from belayer_env import doctor
-    from belayer_env.checkpoint import in_memory, store
+    from belayer_env.checkpoint import in_memory, scratch, store
 
     monkeypatch.setattr(store, "DEFAULT_SCRATCH", tmp_path)  # its belayer-scratch: not mounted
     (tmp_path / "belayer-scratch" / "ck~1-2").mkdir(parents=True)
@@ -104,8 +104,6 @@ def test_doctor_says_what_the_capture_scratch_is(monkeypatch, tmp_path):
     assert not check.ok and not check.required and check.fix
     if in_memory.huge_supported() and os.geteuid() == 0:
         assert "holds captures' scratch" in check.detail, check.detail
-    from belayer_env.checkpoint import scratch
-
     store.CheckpointStore(tmp_path / "store")  # a store opened now: the root is in use, so not mounted over
     assert not scratch.is_mounted(tmp_path / "belayer-scratch")
     assert (tmp_path / "belayer-scratch" / "ck~1-2").is_dir()
