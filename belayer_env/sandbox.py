@@ -82,8 +82,10 @@ drain() {
   while :; do
     echo "$n" >"$w/n"
     f=$w/c.$((n % 2)); [ -e "$w/x" ] && f=$w/c.d
-    $u head -c "$C" >"$f"
-    [ "$(stat -c %s "$f")" = "$C" ] || break
+    exec 3>"$f"; $u head -c "$C" >&3
+    pos=; { read -r _ pos <"/proc/$BASHPID/fdinfo/3"; } 2>/dev/null  # our offset: a truncation can't move it
+    exec 3>&-
+    [ "${pos:-$(stat -c %s "$f")}" = "$C" ] || break
     n=$((n + 1))
   done
   echo >&6
@@ -132,7 +134,8 @@ if [ "$keep" -gt 0 ]; then
   if [ "$n" -gt 0 ]; then cat "$prev" "$cur"; else cat "$cur"; fi 2>/dev/null | tail -c "$keep"
 fi
 # a keeper still draining a background job: its files are truncated, never removed (its head
-# goes on writing at its offset into a hole; its chunk size check must still see a full chunk)
+# goes on writing at its offset into a hole; it tells a full chunk by its own file offset, never
+# by the file's size, which this truncation can zero between its head's exit and its check)
 if kill -0 "$dp" 2>/dev/null; then : >"$w/x"; : >"$w/h"; : >"$w/c.0"; : >"$w/c.1"; rm -f "$w/cmd"; else rm -rf "$w"; fi
 exit 0  # the command's code is in the report: a nonzero exec exit means the wrapper itself died
 """

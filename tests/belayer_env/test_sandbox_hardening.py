@@ -85,6 +85,22 @@ def test_background_writer_survives_collection_mid_chunk(sandbox):
     assert used < 4 * 1024, f"{used} KiB staged for a collected background job"
 
 
+def test_keeper_survives_its_chunks_truncated_at_any_moment(sandbox):
+    """Collecting a command truncates its keeper's chunk files once; landing between the keeper's
+    ``head`` and its full-chunk check used to end the keeper, and the job died of EPIPE (one CI
+    run in many). Truncating them without pause while 300 MB pass makes that moment certain."""
+    r = sandbox.execute(WRITER)
+    assert r["returncode"] == 0 and "output truncated" in r["output"]
+    hammer = ("p=$(cat /tmp/bg.pid); while [ ! -e /tmp/bg.done ] && kill -0 $p 2>/dev/null; do "
+              "for f in /run/belayer/c.*/c.[01d]; do : > \"$f\"; done; done")
+    assert sandbox.execute(f"({hammer}) >/dev/null 2>&1 &")["returncode"] == 0
+    probe = "if [ -e /tmp/bg.done ]; then echo done; elif ! kill -0 $(cat /tmp/bg.pid) 2>/dev/null; then echo died; fi"
+    state = wait_until(lambda: sandbox.execute(probe)["output"].strip(), 180,
+                       "the background writer to finish or die")
+    assert state == "done", "the background writer died (EPIPE: its keeper ended under a truncation)"
+    assert sandbox.execute("kill -0 $(cat /tmp/bg.pid) && echo alive")["output"] == "alive\n"
+
+
 # ---------------------------------------------------------------------------------- long commands
 
 
