@@ -88,6 +88,7 @@ from belayer_env.forking import fork  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
 from belayer_env.writeback import wait_flushed  # noqa: E402
+from benchmarks._plotting import save_result  # noqa: E402
 
 HEAVY_SETUP = r"""
 set -e
@@ -440,10 +441,7 @@ def main() -> int:
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
     result["host"]["loadavg_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    out = save_result(result, args.out, plot)
     for scen, data in result["scenarios"].items():
         print(f"\n{scen}:")
         for m in [m for m in METHODS if m in data]:

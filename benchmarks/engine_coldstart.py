@@ -26,6 +26,7 @@ from pathlib import Path
 T_SPAWN = time.time()
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._plotting import save_result  # noqa: E402
 
 
 def _sync(device):
@@ -348,11 +349,8 @@ def main() -> int:
         arena.terminate()
         arena.wait(60)
     result["decode"] = decode_bench(str(model_dir), a.device, batches, steps, prompt_len=64)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"engine_coldstart-{a.device.replace(':', '')}{'-small' if small else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / f"{stem}.png")
+    save_result(result, Path(a.out) / f"{stem}.json", plot)
     print(json.dumps(result, indent=1))
     return 0
 

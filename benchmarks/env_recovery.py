@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from belayer_env.env import RecoverableSandboxEnv  # noqa: E402
 from belayer_env.faults import kill_container  # noqa: E402
 from belayer_env.policy import AdaptivePolicy  # noqa: E402
+from benchmarks._plotting import save_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 THINK_MEDIAN_S, THINK_SIGMA = 2.0, 0.9  # lognormal: median 2 s, p99 ~16 s (agentic LLM turns)
@@ -229,9 +230,7 @@ def main() -> int:
               "think_time": {"dist": "lognormal", "median_s": THINK_MEDIAN_S, "sigma": THINK_SIGMA},
               "measured_summary": summary, "modelled": modelled, "measured": measured,
               "wall_s": time.monotonic() - t0}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "env_recovery.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "env_recovery.png")
+    save_result(result, RESULTS / "env_recovery.json", plot)
     print(json.dumps({"measured_summary": {k: v for k, v in summary.items() if "per_traj" not in k},
                       "modelled": modelled}, indent=2))
     return 0

@@ -18,7 +18,6 @@ Writes benchmarks/results/env_rollback.json and .png (matplotlib); Docker + CRIU
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _plotting import pyplot  # noqa: E402
+from _plotting import pyplot, save_result  # noqa: E402
 from checkpoint_bench import HEAVY_SETUP  # noqa: E402
 
 from belayer_env.checkpoint.prestaging import staged_copies  # noqa: E402
@@ -118,9 +117,7 @@ def main() -> int:
     if args.runs < 1:
         p.error("--runs must be >= 1")
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    plot(result, args.out.with_suffix(".png"))
+    save_result(result, args.out, plot)
     for mode, s in result["rollback"].items():
         print(f"{mode:8s} p50 {s['p50_s'] * 1e3:7.0f} ms  p90 {s['p90_s'] * 1e3:7.0f} ms")
     print(f"wrote {args.out}")

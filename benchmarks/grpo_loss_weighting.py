@@ -28,6 +28,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._plotting import save_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # belayer_env.env.SUBMIT_MARKER (no Docker import here)
@@ -220,11 +221,8 @@ def main() -> int:
                       "collapsed": sum(r[-1] <= 0.05 for r in mine)}
     result = {"config": {**vars(args), "tasks": 8, "tasks_per_step": 8, "group_size": 4},
               "summary": summary, "runs": sorted(runs, key=lambda r: (r["weighting"], r["seed"]))}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
     print(json.dumps(summary, indent=1))
-    _plot(result, out.with_suffix(".png"))
+    save_result(result, args.out, _plot)
     return 0
 
 

@@ -18,7 +18,6 @@ Writes benchmarks/results/scale_bench.json and scale_bench.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -37,7 +36,7 @@ import ray  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.env import EnvConfig  # noqa: E402
 from belayer_env.ray import SANDBOX_RESOURCE, EpisodePool, RayEnvConfig  # noqa: E402
-from benchmarks._plotting import pyplot  # noqa: E402
+from benchmarks._plotting import pyplot, save_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREFIX = "belayer-scale"
@@ -226,9 +225,8 @@ def main() -> None:
               "started_utc": started, "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "uptime_before": uptime_before, "uptime_after": uptime(), "think_s": args.think, "steps_per_episode": args.steps,
               "checkpoint_policy": "always", "replica": "file:// (local disk)", "node_loss": cost, "sizes": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    save_result(result, args.out, plot)
     print(f"wrote {args.out}")
-    plot(result, Path(args.out).with_suffix(".png"))
 
 
 def plot(result: dict, path: Path) -> None:

@@ -15,7 +15,6 @@ Writes benchmarks/results/scratch_ab.json and .png; Docker + CRIU, root.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _plotting import pyplot  # noqa: E402
+from _plotting import pyplot, save_result  # noqa: E402
 from checkpoint_bench import STEP, bench_sandbox, settle, summarize  # noqa: E402
 
 from belayer_env.checkpoint import full_checkpoint, scratch  # noqa: E402
@@ -122,10 +121,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(plain_base, ignore_errors=True)
     result["host"]["loadavg_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    out = save_result(result, args.out, plot)
     for scen, data in result["scenarios"].items():
         print(f"{scen}: " + "; ".join(
             f"{v}: frozen p50 {data[v]['frozen_s']['p50'] * 1e3:.1f} ms p90 {data[v]['frozen_s']['p90'] * 1e3:.1f}, "
