@@ -191,6 +191,23 @@ def check_scratch() -> Check:
                  "a large memory dump is slower", required=False)
 
 
+def check_conntrack() -> Check:
+    """CRIU walks the host's whole conntrack table twice inside every capture's freeze
+    (``belayer_env.conntrack``): set-up keeps it small."""
+    from belayer_env import conntrack
+
+    n = conntrack.buckets()
+    if n is None:
+        return Check("conntrack table", True, "no conntrack in this kernel: nothing to walk", "", required=False)
+    try:
+        walk = f"one walk {conntrack.walk_s() * 1e3:.1f} ms, two per checkpoint"
+    except OSError as e:
+        walk = f"walk not timed: {e}"
+    return Check("conntrack table", n <= conntrack.TARGET_BUCKETS, f"{n} buckets ({walk})",
+                 f"run `{SETUP}` (lowers it to {conntrack.TARGET_BUCKETS}; {conntrack.ENV}=keep leaves it)",
+                 required=False)
+
+
 def check_engine() -> list[Check]:
     missing = [m for m in ("torch", "aiohttp", "safetensors") if importlib.util.find_spec(m) is None]
     return [Check("engine packages", not missing, "torch, aiohttp, safetensors importable" if not missing
@@ -200,4 +217,4 @@ def check_engine() -> list[Check]:
 
 def run_checks() -> list[Check]:
     return [*check_docker(), *check_criu(), check_ctrd_copies(), *check_kernel(), check_disk_cap(), check_scratch(),
-            *check_engine()]
+            check_conntrack(), *check_engine()]

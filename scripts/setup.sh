@@ -7,6 +7,8 @@
 #   BELAYER_BASE_IMAGE   base image tag (default: belayer-base:latest)
 #   BELAYER_SKIP_PIP=1   skip installing the Python package
 #   BELAYER_SKIP_SGLANG=1  skip SGLang's venv (scripts/setup_sglang.sh; the SGLang tests then fail)
+#   BELAYER_CONNTRACK_BUCKETS  conntrack buckets to lower the host's table to (default 16384), or
+#                        `keep` (belayer_env/conntrack.py: what it costs and saves)
 set -euo pipefail
 
 PY=${BELAYER_PYTHON:-python3}
@@ -196,6 +198,11 @@ command -v nsenter >/dev/null || apt_install util-linux
 hook_out=$("$PY" "$ROOT/belayer_env/loopback.py") \
   || die "could not install the CRIU loopback hook"
 info "$hook_out"
+
+# --------------------------------- conntrack table (belayer_env/conntrack.py: frozen time)
+step "conntrack table (CRIU walks all of it twice inside every checkpoint's freeze)"
+ct_out=$("$PY" "$ROOT/belayer_env/conntrack.py") || die "could not size the conntrack table"
+info "$ct_out"
 
 # ---------------------------------------------------------------- SGLang (its own venv)
 if [ "${BELAYER_SKIP_SGLANG:-0}" = 1 ]; then

@@ -51,8 +51,9 @@ def test_doctor_json_all_required_green(capsys):
             "kernel checkpoint/restore", "kernel overlayfs", "free disk"} <= names
     assert all(c["fix"] for c in report["checks"] if c["required"])
     # what scripts/setup.sh sets up for speed (optional checks; set up on every machine that ran it)
-    speed = {c["name"]: c for c in report["checks"] if c["name"] in ("criu loopback hook", "criu kernel-probe cache")}
-    assert len(speed) == 2 and all(c["ok"] for c in speed.values()), speed
+    speed = {c["name"]: c for c in report["checks"]
+             if c["name"] in ("criu loopback hook", "criu kernel-probe cache", "conntrack table")}
+    assert len(speed) == 3 and all(c["ok"] for c in speed.values()), speed
 
 
 def test_doctor_says_how_to_fix_an_unreachable_daemon(monkeypatch, capsys, tmp_path):

@@ -1,0 +1,94 @@
+"""Two ways of capturing one sandbox, side by side: the rounds and the plot every capture A/B
+benchmark shares (``scratch_ab.py``, ``conntrack_ab.py``).
+
+Each round runs an agent-like step, then one incremental capture per variant, in alternating
+order (the load is shared); before each, the variant's ``prepare`` runs (outside the timed
+capture). The first capture into each store (everything copied) is not measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from _plotting import pyplot
+from checkpoint_bench import STEP, bench_sandbox, settle, summarize
+
+from belayer_env.checkpoint import full_checkpoint
+from belayer_env.checkpoint.manifest import read_manifest
+from belayer_env.checkpoint.store import CheckpointStore
+
+METRICS = ("frozen_s", "criu_memdump_s", "criu_frozen_s")
+
+
+@dataclass
+class Variant:
+    store: CheckpointStore
+    prepare: Callable[[], None] = lambda: None
+
+
+def run_rounds(client, scenario: str, runs: int, variants: dict[str, Variant], run_id: str) -> dict:
+    """Raw samples: ``{variant: {metric: [seconds, ...]}}``, one per round."""
+    sb = bench_sandbox(client, scenario, run_id)
+    raw = {v: {m: [] for m in METRICS} for v in variants}
+    names = list(variants)
+    try:
+        for variant in variants.values():
+            variant.prepare()
+            full_checkpoint(sb, variant.store)  # the store's first capture: everything copied, not measured
+        for i in range(runs):
+            sb.execute(STEP.format(i=i))
+            for name in names if i % 2 == 0 else names[::-1]:
+                variants[name].prepare()
+                settle()
+                ck = full_checkpoint(sb, variants[name].store)
+                detail = read_manifest(ck.path).get("frozen_detail") or {}
+                raw[name]["frozen_s"].append(ck.frozen_s)
+                for m in METRICS[1:]:
+                    raw[name][m].append(detail.get(m, 0.0))
+            print(f"  {scenario} round {i + 1}/{runs}: " + ", ".join(
+                f"{v} {raw[v]['frozen_s'][-1] * 1e3:.0f} ms" for v in names), flush=True)
+    finally:
+        sb.close()
+    return raw
+
+
+def summarize_ab(raw: dict, baseline: str, candidate: str) -> dict:
+    """p50/p90 per variant and metric, and the candidate's p50 over the baseline's."""
+    data = {v: {m: summarize(samples) for m, samples in metrics.items()} for v, metrics in raw.items()}
+    for m, key in zip(METRICS, ("frozen", "memdump", "criu_frozen"), strict=True):
+        data[f"ratio_{key}_p50"] = data[candidate][m]["p50"] / max(data[baseline][m]["p50"], 1e-9)
+    data["raw"] = raw
+    return data
+
+
+def print_ab(result: dict, baseline: str, candidate: str) -> None:
+    for scen, data in result["scenarios"].items():
+        print(f"{scen}: " + "; ".join(
+            f"{v}: frozen p50 {data[v]['frozen_s']['p50'] * 1e3:.1f} ms p90 {data[v]['frozen_s']['p90'] * 1e3:.1f}, "
+            f"memdump p50 {data[v]['criu_memdump_s']['p50'] * 1e3:.1f} ms" for v in (baseline, candidate))
+            + f"; {candidate}/{baseline} frozen {data['ratio_frozen_p50']:.2f}x")
+
+
+def plot_ab(result: dict, path: Path, variants: tuple[str, str], label: str) -> None:
+    """Bars per metric (p50, whisker to p90), one pair per scenario; ``label`` names the knob."""
+    plt = pyplot()
+    if plt is None:
+        return
+    scenarios = list(result["scenarios"])
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4.2), squeeze=False)
+    for ax, scen in zip(axes[0], scenarios, strict=True):
+        data = result["scenarios"][scen]
+        w = 0.38
+        for j, variant in enumerate(variants):
+            p50 = [data[variant][m]["p50"] * 1e3 for m in METRICS]
+            p90 = [data[variant][m]["p90"] * 1e3 for m in METRICS]
+            ax.bar([k + j * w for k in range(len(METRICS))], p50, width=w, label=f"{label}: {variant}",
+                   yerr=[[0] * len(p50), [max(b - a, 0) for a, b in zip(p50, p90, strict=True)]], capsize=2)
+        ax.set_xticks([k + w / 2 for k in range(len(METRICS))], METRICS)
+        ax.set_title(f"{scen}: frozen {data['ratio_frozen_p50']:.2f}x, CRIU frozen {data['ratio_criu_frozen_p50']:.2f}x")
+        ax.set_ylabel("ms (bar p50, whisker p90)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
