@@ -67,7 +67,10 @@ def tune(target: int | None = TARGET_BUCKETS, sysctl_file: Path | None = SYSCTL_
         return f"conntrack buckets kept at {now} ({ENV}=keep)"
     lowered = now > target
     if lowered:
-        BUCKETS_PATH.write_text(f"{target}\n")
+        try:
+            BUCKETS_PATH.write_text(f"{target}\n")
+        except OSError as e:  # not the host's network namespace, or not root: captures work, slower
+            return f"conntrack buckets left at {now}: {e}"
         now = buckets() or target
     persist = sysctl_file is not None and (lowered or sysctl_file.exists())
     if persist:
