@@ -144,6 +144,33 @@ def mounts() -> list[Mount]:
     return out
 
 
+@dataclass(frozen=True)
+class MountRoot:
+    """One line of ``/proc/self/mountinfo``, for what ``Mount`` lacks: ``root``, the subtree
+    of its file system a mount shows (``/`` unless it is a bind mount of a part)."""
+
+    root: str
+    target: str
+    fstype: str
+    super_options: str
+
+
+def mount_roots() -> list[MountRoot]:
+    """This process's ``/proc/self/mountinfo``, in mount order."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if sep and len(fields) >= 5 and len(tail) >= 3:
+            out.append(MountRoot(_unescape(fields[3]), _unescape(fields[4]), tail[0], tail[2]))
+    return out
+
+
 def mount_of(path: str) -> Mount | None:
     """The mount that ``path`` (absolute, symlinks resolved by the caller) is on: the one
     with the longest target containing it, the topmost at that target."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer.procfs import session_members
+from belayer_env.checkpoint import cgroup_yard
 from belayer_env.checkpoint.criu_hooks import FreezeHooks, HookRelay
 from belayer_env.checkpoint.manifest import check_file, copy_hashed
 
@@ -41,6 +42,8 @@ CRIU_EXTRA_CONFIG = os.environ.get("BELAYER_CRIU_EXTRA_CONFIG", "")
 """Test-only seam, empty by default: extra lines for the CRIU config file of every dump. The
 fault tests put an ``action-script`` here that holds CRIU stopped mid-dump (see
 tests/belayer_env/conftest_checkpoint.py, ``CriuHold``)."""
+CGROUP_YARD = os.environ.get("BELAYER_CRIU_CGROUP_YARD", "1") != "0"
+"""Dumps walk the host's own cgroup mounts (``cgroup_yard``); ``0``: CRIU mounts its own."""
 CRIU_NICE = int(os.environ.get("BELAYER_CRIU_NICE", "-10"))
 """Nice value of the autogroup (the session) of runc, CRIU and the helpers CRIU spawns (tar,
 ip, ...), and of the layer copy while frozen: on a busy host the frozen window is mostly
@@ -103,6 +106,8 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     work.mkdir(mode=0o700)
     env = dict(os.environ)
     lines = (["network-lock skip"] if isolated else []) + ([CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else [])
+    if CGROUP_YARD and (yard := cgroup_yard.make(work)) is not None:
+        lines.append(f"cgroup-yard {yard}")  # no cgroup mounts inside the freeze (cgroup_yard)
     relay = (HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s, orphan_thaw)
              if hooks else None)
     if relay is not None:

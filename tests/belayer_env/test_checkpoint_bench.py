@@ -66,7 +66,7 @@ def test_scratch_ab_measures_both_scratch_kinds_and_cleans_up(tmp_path, docker_c
     assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{result['host']['run_id']}"})
 
 
-def test_conntrack_ab_measures_both_table_sizes_and_puts_the_table_back(tmp_path, docker_client):
+def test_frozen_ab_measures_both_table_sizes_and_puts_the_table_back(tmp_path, docker_client):
     from belayer_env import conntrack
     from belayer_env.checkpoint import runtime
 
@@ -76,13 +76,13 @@ def test_conntrack_ab_measures_both_table_sizes_and_puts_the_table_back(tmp_path
         pytest.skip("needs root and a kernel with conntrack")
     found = conntrack.buckets()
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conntrack_ab.py"), "--runs", "1",
-                           "--scenarios", "idle", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frozen_ab.py"), "--knob", "conntrack",
+                           "--runs", "1", "--scenarios", "idle", "--out", str(out)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     idle = result["scenarios"]["idle"]
     assert idle["default"]["frozen_s"]["n"] == 1 and idle["tuned"]["frozen_s"]["n"] == 1
-    assert set(result["walk_ms_p50"]) == {"default", "tuned"} and out.with_suffix(".png").exists()
+    assert set(result["knob_detail"]["walk_ms_p50"]) == {"default", "tuned"} and out.with_suffix(".png").exists()
     assert conntrack.buckets() == found, "the benchmark did not put the table back"
     assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{result['host']['run_id']}"})

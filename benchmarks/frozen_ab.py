@@ -1,0 +1,121 @@
+"""Frozen time with and without one of Belayer's host-level cuts, side by side.
+
+``--knob conntrack``: CRIU walks the host's whole conntrack hash table twice inside every
+capture's freeze (``belayer_env/conntrack.py``); before each capture the table is resized
+to the variant's bucket count (``default``: 262,144, the kernel's with 4 GiB or more;
+``tuned``: what ``bash scripts/setup.sh`` sets); the count found at the start is put back
+at the end; one walk is also timed at each size from here.
+
+``--knob cgroup-yard``: CRIU mounts every cgroup hierarchy inside the freeze unless the dump
+names a yard (``belayer_env/checkpoint/cgroup_yard.py``); ``default``: no yard (CRIU's
+own mounts), ``tuned``: the yard, as every dump now has.
+
+One sandbox (``idle`` or ``heavy``, as in checkpoint_bench.py), one store; rounds as in
+``_capture_ab.py`` (one capture per variant each, in alternating order).
+
+    python3 benchmarks/frozen_ab.py --knob conntrack --runs 10 --scenarios idle,heavy
+Writes benchmarks/results/frozen_ab_<knob>.json and .png; Docker + CRIU, root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _capture_ab import Variant, plot_ab, print_ab, run_rounds, summarize_ab  # noqa: E402
+from _plotting import save_result  # noqa: E402
+
+from belayer_env import conntrack  # noqa: E402
+from belayer_env.checkpoint import cgroup_yard, runtime  # noqa: E402
+from belayer_env.checkpoint.store import CheckpointStore  # noqa: E402
+from belayer_env.docker_api import connect  # noqa: E402
+
+VARIANTS = ("default", "tuned")
+DEFAULT_BUCKETS = 262144
+
+
+def resize(n: int) -> None:
+    conntrack.BUCKETS_PATH.write_text(f"{n}\n")
+    assert conntrack.buckets() == n, f"the kernel kept {conntrack.buckets()} buckets, not {n}"
+
+
+def use_yard(on: bool) -> None:
+    runtime.CGROUP_YARD = on
+
+
+def conntrack_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    found = conntrack.buckets()
+    if found is None:
+        raise SystemExit("frozen_ab: this kernel has no conntrack table: nothing to compare")
+    sizes = {"default": DEFAULT_BUCKETS, "tuned": conntrack.TARGET_BUCKETS}
+    result["knob_detail"] = {"buckets": sizes, "buckets_found": found, "walk_ms_p50": {}}
+    for v, n in sizes.items():
+        resize(n)
+        result["knob_detail"]["walk_ms_p50"][v] = round(statistics.median(conntrack.walk_s() for _ in range(9)) * 1e3, 3)
+    print("one conntrack walk, p50: " + ", ".join(
+        f"{v} ({sizes[v]}) {ms:.2f} ms" for v, ms in result["knob_detail"]["walk_ms_p50"].items()))
+    return {v: partial(resize, n) for v, n in sizes.items()}, partial(resize, found)
+
+
+def yard_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    links = cgroup_yard.hierarchies()
+    if not links:
+        raise SystemExit("frozen_ab: this host has no cgroup yard (hierarchies not mounted at their roots)")
+    result["knob_detail"] = {"yard": dict(links)}
+    found = runtime.CGROUP_YARD
+    return {"default": partial(use_yard, False), "tuned": partial(use_yard, True)}, partial(use_yard, found)
+
+
+KNOBS = {"conntrack": conntrack_knob, "cgroup-yard": yard_knob}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--knob", required=True, choices=sorted(KNOBS))
+    ap.add_argument("--runs", type=int, default=10, help="rounds per scenario (one capture per variant each)")
+    ap.add_argument("--scenarios", default="idle,heavy")
+    ap.add_argument("--out", help="default: benchmarks/results/frozen_ab_<knob>.json")
+    args = ap.parse_args()
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    if os.geteuid() != 0:
+        print("frozen_ab: needs root (Docker, runc, CRIU, host settings)", file=sys.stderr)
+        return 2
+    out = args.out or str(Path(__file__).parent / "results" / f"frozen_ab_{args.knob.replace('-', '_')}.json")
+    client = connect()
+    run_id = uuid.uuid4().hex[:8]
+    work = Path(tempfile.mkdtemp(prefix="belayer-frozen-ab-", dir="/var/tmp"))
+    store = CheckpointStore(work / "store", keep=2)
+    result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
+                       "run_id": run_id}, "knob": args.knob, "runs": args.runs, "scenarios": {}}
+    put_back = None
+    try:
+        prepare, put_back = KNOBS[args.knob](result)
+        for scen in args.scenarios.split(","):
+            variants = {v: Variant(store, prepare[v]) for v in VARIANTS}
+            result["scenarios"][scen] = summarize_ab(run_rounds(client, scen, args.runs, variants, run_id), *VARIANTS)
+    finally:
+        if put_back is not None:
+            put_back()
+        shutil.rmtree(work, ignore_errors=True)
+    result["host"]["loadavg_end"] = os.getloadavg()
+    path = save_result(result, out, partial(plot_ab, variants=VARIANTS, label=args.knob))
+    print_ab(result, *VARIANTS)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
