@@ -128,16 +128,19 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
 def mounts() -> list[Mount]:
     """This process's mount table, in mount order (a later one over an earlier one at the
     same target hides it)."""
     out = []
-    try:
-        with open("/proc/self/mounts") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
+    for line in _lines("/proc/self/mounts"):
         fields = line.split()
         if len(fields) >= 4:
             out.append(Mount(*(_unescape(x) for x in fields[:4])))
@@ -158,12 +161,7 @@ class MountRoot:
 def mount_roots() -> list[MountRoot]:
     """This process's ``/proc/self/mountinfo``, in mount order."""
     out = []
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
+    for line in _lines("/proc/self/mountinfo"):
         left, sep, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         if sep and len(fields) >= 5 and len(tail) >= 3:

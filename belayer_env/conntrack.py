@@ -25,6 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+if __package__:
+    from belayer_env.loopback import write_if_changed
+else:  # `python3 belayer_env/conntrack.py` (set-up): the sibling module, without the package
+    from loopback import write_if_changed
+
 BUCKETS_PATH = Path("/proc/sys/net/netfilter/nf_conntrack_buckets")
 SYSCTL_FILE = Path("/etc/sysctl.d/60-belayer-conntrack.conf")
 TARGET_BUCKETS = 16384
@@ -80,18 +85,9 @@ def tune(target: int | None = TARGET_BUCKETS, sysctl_file: Path | None = SYSCTL_
 
 
 def _write_sysctl(path: Path, value: int) -> None:
-    text = (f"# Belayer (belayer_env/conntrack.py): CRIU walks the whole conntrack table twice\n"
-            f"# inside every checkpoint's freeze; a smaller table keeps that walk short.\n"
-            f"net.netfilter.nf_conntrack_buckets = {value}\n")
-    try:
-        if path.read_text() == text:
-            return
-    except OSError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_if_changed(path, f"# Belayer (belayer_env/conntrack.py): CRIU walks the whole conntrack table twice\n"
+                           f"# inside every checkpoint's freeze; a smaller table keeps that walk short.\n"
+                           f"net.netfilter.nf_conntrack_buckets = {value}\n", 0o644)
 
 
 def walk_s() -> float:

@@ -79,16 +79,16 @@ def _tool(name: str) -> bool:
 def install(conf: Path | None = None) -> str:
     """Write the hook and the hosts file and list the hook in runc's CRIU config (root; idempotent)."""
     conf = conf or RUNC_CRIU_CONF
-    _write(HOOK_PATH, HOOK_SCRIPT, 0o755)
-    _write(HOSTS_PATH, HOSTS, 0o644)
+    write_if_changed(HOOK_PATH, HOOK_SCRIPT, 0o755)
+    write_if_changed(HOSTS_PATH, HOSTS, 0o644)
     conf.parent.mkdir(parents=True, exist_ok=True)
     text = conf.read_text() if conf.exists() else ""
     if CONF_LINE not in (line.strip() for line in text.splitlines()):
-        _write(conf, text + ("" if not text or text.endswith("\n") else "\n") + CONF_LINE + "\n", 0o644)
+        write_if_changed(conf, text + ("" if not text or text.endswith("\n") else "\n") + CONF_LINE + "\n", 0o644)
     return f"CRIU loopback hook {HOOK_PATH} listed in {conf}; hosts file {HOSTS_PATH}"
 
 
-def _write(path: Path, text: str, mode: int) -> None:
+def write_if_changed(path: Path, text: str, mode: int) -> None:
     """Atomic write (a restore running meanwhile reads the old or the new file, never half);
     a file that already says ``text`` with ``mode`` is left alone."""
     try:

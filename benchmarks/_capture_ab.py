@@ -8,6 +8,9 @@ capture). The first capture into each store (everything copied) is not measured.
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,24 @@ from belayer_env.checkpoint.manifest import read_manifest
 from belayer_env.checkpoint.store import CheckpointStore
 
 METRICS = ("frozen_s", "criu_memdump_s", "criu_frozen_s")
+
+
+def parse_args(doc: str, name: str, out_help: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+               ) -> argparse.Namespace:
+    """The options every capture A/B takes (``extra`` adds its own); exits 2 unless root."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(ap)
+    ap.add_argument("--runs", type=int, default=10, help="rounds per scenario (one capture per variant each)")
+    ap.add_argument("--scenarios", default="idle,heavy")
+    ap.add_argument("--out", help=out_help)
+    args = ap.parse_args()
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    if os.geteuid() != 0:
+        print(f"{name}: needs root (Docker, runc, CRIU, the knob it flips)", file=sys.stderr)
+        raise SystemExit(2)
+    return args
 
 
 @dataclass

@@ -19,7 +19,6 @@ Writes benchmarks/results/frozen_ab_<knob>.json and .png; Docker + CRIU, root.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shutil
@@ -34,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _capture_ab import Variant, plot_ab, print_ab, run_rounds, summarize_ab  # noqa: E402
+from _capture_ab import Variant, parse_args, plot_ab, print_ab, run_rounds, summarize_ab  # noqa: E402
 from _plotting import save_result  # noqa: E402
 
 from belayer_env import conntrack  # noqa: E402
@@ -82,17 +81,8 @@ KNOBS = {"conntrack": conntrack_knob, "cgroup-yard": yard_knob}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--knob", required=True, choices=sorted(KNOBS))
-    ap.add_argument("--runs", type=int, default=10, help="rounds per scenario (one capture per variant each)")
-    ap.add_argument("--scenarios", default="idle,heavy")
-    ap.add_argument("--out", help="default: benchmarks/results/frozen_ab_<knob>.json")
-    args = ap.parse_args()
-    if args.runs < 1:
-        ap.error("--runs must be >= 1")
-    if os.geteuid() != 0:
-        print("frozen_ab: needs root (Docker, runc, CRIU, host settings)", file=sys.stderr)
-        return 2
+    args = parse_args(__doc__, "frozen_ab", "default: benchmarks/results/frozen_ab_<knob>.json",
+                      lambda ap: ap.add_argument("--knob", required=True, choices=sorted(KNOBS)))
     out = args.out or str(Path(__file__).parent / "results" / f"frozen_ab_{args.knob.replace('-', '_')}.json")
     client = connect()
     run_id = uuid.uuid4().hex[:8]

@@ -13,7 +13,6 @@ Writes benchmarks/results/scratch_ab.json and .png; Docker + CRIU, root.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _capture_ab import Variant, plot_ab, print_ab, run_rounds, summarize_ab  # noqa: E402
+from _capture_ab import Variant, parse_args, plot_ab, print_ab, run_rounds, summarize_ab  # noqa: E402
 from _plotting import save_result  # noqa: E402
 
 from belayer_env.checkpoint import scratch  # noqa: E402
@@ -37,16 +36,8 @@ VARIANTS = ("plain", "large")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=10, help="rounds per scenario (one capture per variant each)")
-    ap.add_argument("--scenarios", default="idle,heavy")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "scratch_ab.json"))
-    args = ap.parse_args()
-    if args.runs < 1:
-        ap.error("--runs must be >= 1")
-    if os.geteuid() != 0:
-        print("scratch_ab: needs root (Docker, runc, CRIU, the scratch mount)", file=sys.stderr)
-        return 2
+    args = parse_args(__doc__, "scratch_ab", "default: benchmarks/results/scratch_ab.json")
+    out = args.out or str(Path(__file__).parent / "results" / "scratch_ab.json")
     client = connect()
     run_id = uuid.uuid4().hex[:8]
     work = Path(tempfile.mkdtemp(prefix="belayer-scratch-ab-", dir="/var/tmp"))
@@ -70,9 +61,9 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(plain_base, ignore_errors=True)
     result["host"]["loadavg_end"] = os.getloadavg()
-    out = save_result(result, args.out, partial(plot_ab, variants=VARIANTS, label="scratch"))
+    path = save_result(result, out, partial(plot_ab, variants=VARIANTS, label="scratch"))
     print_ab(result, *VARIANTS)
-    print(f"wrote {out}")
+    print(f"wrote {path}")
     return 0
 
 
