@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from belayer.errors import UsageError
 from belayer.procfs import session_members
 from belayer_env.checkpoint import cgroup_yard
 from belayer_env.checkpoint.criu_hooks import FreezeHooks, HookRelay
@@ -42,7 +43,10 @@ CRIU_EXTRA_CONFIG = os.environ.get("BELAYER_CRIU_EXTRA_CONFIG", "")
 """Test-only seam, empty by default: extra lines for the CRIU config file of every dump. The
 fault tests put an ``action-script`` here that holds CRIU stopped mid-dump (see
 tests/belayer_env/conftest_checkpoint.py, ``CriuHold``)."""
-CGROUP_YARD = os.environ.get("BELAYER_CRIU_CGROUP_YARD", "1") != "0"
+_YARD_ENV = os.environ.get("BELAYER_CRIU_CGROUP_YARD", "1")
+if _YARD_ENV not in ("0", "1"):
+    raise UsageError(f"BELAYER_CRIU_CGROUP_YARD must be 0 or 1, got {_YARD_ENV!r}")
+CGROUP_YARD = _YARD_ENV == "1"
 """Dumps walk the host's own cgroup mounts (``cgroup_yard``); ``0``: CRIU mounts its own."""
 CRIU_NICE = int(os.environ.get("BELAYER_CRIU_NICE", "-10"))
 """Nice value of the autogroup (the session) of runc, CRIU and the helpers CRIU spawns (tar,
