@@ -208,6 +208,26 @@ def check_conntrack() -> Check:
                  required=False)
 
 
+def check_fast_tar() -> Check:
+    """CRIU dumps each tmpfs of a sandbox with ``tar`` inside the freeze: set-up builds the
+    in-process one (``belayer_env.checkpoint.fast_tar``), checked here against the host's tar."""
+    from belayer_env.checkpoint import fast_tar, runtime
+
+    fix = f"run `{SETUP}` (builds it; needs gcc and zlib1g-dev)"
+    if not fast_tar.installed():
+        return Check("criu tmpfs tar", False, f"{fast_tar.HELPER} not installed: each checkpoint's freeze runs "
+                     "GNU tar + gzip per tmpfs (~25 ms more here)", fix, required=False)
+    try:
+        why = fast_tar.check()
+    except (fast_tar.BuildError, OSError) as e:
+        why = str(e)
+    if why:
+        return Check("criu tmpfs tar", False, f"{fast_tar.HELPER}: {why}", fix, required=False)
+    used = "used by every dump" if runtime.FAST_TAR else "installed, off (BELAYER_CRIU_FAST_TAR=0)"
+    return Check("criu tmpfs tar", True, f"{fast_tar.HELPER}: writes what GNU tar writes, in-process; {used}",
+                 "", required=False)
+
+
 def check_engine() -> list[Check]:
     missing = [m for m in ("torch", "aiohttp", "safetensors") if importlib.util.find_spec(m) is None]
     return [Check("engine packages", not missing, "torch, aiohttp, safetensors importable" if not missing
@@ -217,4 +237,4 @@ def check_engine() -> list[Check]:
 
 def run_checks() -> list[Check]:
     return [*check_docker(), *check_criu(), check_ctrd_copies(), *check_kernel(), check_disk_cap(), check_scratch(),
-            check_conntrack(), *check_engine()]
+            check_conntrack(), check_fast_tar(), *check_engine()]

@@ -10,6 +10,10 @@ at the end; one walk is also timed at each size from here.
 names a yard (``belayer_env/checkpoint/cgroup_yard.py``); ``default``: no yard (CRIU's
 own mounts), ``tuned``: the yard, as every dump now has.
 
+``--knob fast-tar``: CRIU dumps each tmpfs with ``tar --create --gzip`` (GNU tar + gzip)
+unless ``belayer_env/checkpoint/fast_tar.py``'s helper comes first in its PATH;
+``default``: GNU tar, ``tuned``: the helper, as every dump now has when set-up built it.
+
 One sandbox (``idle`` or ``heavy``, as in checkpoint_bench.py), one store; rounds as in
 ``_capture_ab.py`` (one capture per variant each, in alternating order).
 
@@ -37,7 +41,7 @@ from _capture_ab import Variant, parse_args, plot_ab, print_ab, run_rounds, summ
 from _plotting import save_result  # noqa: E402
 
 from belayer_env import conntrack  # noqa: E402
-from belayer_env.checkpoint import cgroup_yard, runtime  # noqa: E402
+from belayer_env.checkpoint import cgroup_yard, fast_tar, runtime  # noqa: E402
 from belayer_env.checkpoint.store import CheckpointStore  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 
@@ -52,6 +56,10 @@ def resize(n: int) -> None:
 
 def use_yard(on: bool) -> None:
     runtime.CGROUP_YARD = on
+
+
+def use_fast_tar(on: bool) -> None:
+    runtime.FAST_TAR = on
 
 
 def conntrack_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
@@ -77,7 +85,15 @@ def yard_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[],
     return {"default": partial(use_yard, False), "tuned": partial(use_yard, True)}, partial(use_yard, found)
 
 
-KNOBS = {"conntrack": conntrack_knob, "cgroup-yard": yard_knob}
+def fast_tar_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    if not fast_tar.installed():
+        raise SystemExit(f"frozen_ab: {fast_tar.HELPER} is not installed (bash scripts/setup.sh)")
+    result["knob_detail"] = {"helper": str(fast_tar.HELPER)}
+    found = runtime.FAST_TAR
+    return {"default": partial(use_fast_tar, False), "tuned": partial(use_fast_tar, True)}, partial(use_fast_tar, found)
+
+
+KNOBS = {"conntrack": conntrack_knob, "cgroup-yard": yard_knob, "fast-tar": fast_tar_knob}
 
 
 def main() -> int:

@@ -204,6 +204,13 @@ step "conntrack table (CRIU walks all of it twice inside every checkpoint's free
 ct_out=$("$PY" "$ROOT/belayer_env/conntrack.py") || die "could not size the conntrack table"
 info "$ct_out"
 
+# ------------------------- CRIU's tmpfs tar (belayer_env/checkpoint/fast_tar.py: frozen time)
+step "CRIU's tmpfs tar (six tar + gzip runs inside every checkpoint's freeze, made in-process)"
+{ command -v gcc >/dev/null && [ "$(gcc -print-file-name=libz.a)" != libz.a ] && [ -f /usr/include/zlib.h ]; } \
+  || apt_install build-essential zlib1g-dev
+tar_out=$("$PY" "$ROOT/belayer_env/checkpoint/fast_tar.py") || die "could not build CRIU's tmpfs tar"
+info "$tar_out"
+
 # ---------------------------------------------------------------- SGLang (its own venv)
 if [ "${BELAYER_SKIP_SGLANG:-0}" = 1 ]; then
   step "SGLang"; info "skipped (BELAYER_SKIP_SGLANG=1)"

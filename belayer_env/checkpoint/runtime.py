@@ -30,7 +30,7 @@ from typing import Any
 
 from belayer.errors import UsageError
 from belayer.procfs import session_members
-from belayer_env.checkpoint import cgroup_yard
+from belayer_env.checkpoint import cgroup_yard, fast_tar
 from belayer_env.checkpoint.criu_hooks import FreezeHooks, HookRelay
 from belayer_env.checkpoint.manifest import check_file, copy_hashed
 
@@ -43,11 +43,20 @@ CRIU_EXTRA_CONFIG = os.environ.get("BELAYER_CRIU_EXTRA_CONFIG", "")
 """Test-only seam, empty by default: extra lines for the CRIU config file of every dump. The
 fault tests put an ``action-script`` here that holds CRIU stopped mid-dump (see
 tests/belayer_env/conftest_checkpoint.py, ``CriuHold``)."""
-_YARD_ENV = os.environ.get("BELAYER_CRIU_CGROUP_YARD", "1")
-if _YARD_ENV not in ("0", "1"):
-    raise UsageError(f"BELAYER_CRIU_CGROUP_YARD must be 0 or 1, got {_YARD_ENV!r}")
-CGROUP_YARD = _YARD_ENV == "1"
+
+
+def _switch(name: str) -> bool:
+    """An on/off knob of the environment, on by default: ``0`` or ``1``, else a UsageError."""
+    value = os.environ.get(name, "1")
+    if value not in ("0", "1"):
+        raise UsageError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+CGROUP_YARD = _switch("BELAYER_CRIU_CGROUP_YARD")
 """Dumps walk the host's own cgroup mounts (``cgroup_yard``); ``0``: CRIU mounts its own."""
+FAST_TAR = _switch("BELAYER_CRIU_FAST_TAR")
+"""Dumps find ``fast_tar``'s helper first in PATH when it is installed; ``0``: GNU tar."""
 CRIU_NICE = int(os.environ.get("BELAYER_CRIU_NICE", "-10"))
 """Nice value of the autogroup (the session) of runc, CRIU and the helpers CRIU spawns (tar,
 ip, ...), and of the layer copy while frozen: on a busy host the frozen window is mostly
@@ -109,6 +118,8 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     images.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
     env = dict(os.environ)
+    if FAST_TAR and fast_tar.installed():
+        env["PATH"] = fast_tar.dump_path(env.get("PATH"))  # CRIU's tmpfs dumps, in-process
     lines = (["network-lock skip"] if isolated else []) + ([CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else [])
     if CGROUP_YARD and (yard := cgroup_yard.make(work)) is not None:
         lines.append(f"cgroup-yard {yard}")  # no cgroup mounts inside the freeze (cgroup_yard)

@@ -52,8 +52,8 @@ def test_doctor_json_all_required_green(capsys):
     assert all(c["fix"] for c in report["checks"] if c["required"])
     # what scripts/setup.sh sets up for speed (optional checks; set up on every machine that ran it)
     speed = {c["name"]: c for c in report["checks"]
-             if c["name"] in ("criu loopback hook", "criu kernel-probe cache", "conntrack table")}
-    assert len(speed) == 3 and all(c["ok"] for c in speed.values()), speed
+             if c["name"] in ("criu loopback hook", "criu kernel-probe cache", "conntrack table", "criu tmpfs tar")}
+    assert len(speed) == 4 and all(c["ok"] for c in speed.values()), speed
 
 
 def test_doctor_says_how_to_fix_an_unreachable_daemon(monkeypatch, capsys, tmp_path):

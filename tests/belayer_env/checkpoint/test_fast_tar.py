@@ -1,0 +1,146 @@
+"""``fast_tar``: the helper CRIU runs as ``tar`` to dump a tmpfs writes, byte for byte, the
+archive GNU tar writes, hands every tree it does not write exactly so to GNU tar, and a
+sandbox restored from its archives has the same tmpfs contents."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from belayer_env.checkpoint import fast_tar, full_checkpoint, full_restore, runtime
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: set-up builds the helper")
+
+
+@pytest.fixture(scope="module")
+def helper(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fast-tar") / "tar"
+    fast_tar.build(out)
+    return out
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A fresh tmpfs, as CRIU sees the mounts it dumps (root only)."""
+    root = tmp_path / "tmpfs"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=64m", "belayer-test", str(root)], check=True)
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def test_the_helper_writes_what_gnu_tar_writes_and_takes_its_own_path(helper, tmpfs):
+    fast_tar.make_sample(tmpfs)
+    (tmpfs / "big").write_bytes(os.urandom(300_000))  # several deflate blocks
+    (tmpfs / "mnt").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "inner", str(tmpfs / "mnt")], check=True)
+    try:
+        (tmpfs / "mnt" / "below").write_text("on another file system: not archived\n")
+        ours = fast_tar.archive(str(helper), tmpfs)
+        theirs = fast_tar.archive(fast_tar.real_tar(), tmpfs)
+    finally:
+        subprocess.run(["umount", str(tmpfs / "mnt")], check=True)
+    assert fast_tar.took_fast_path(ours) and not fast_tar.took_fast_path(theirs)
+    assert gzip.decompress(ours) == gzip.decompress(theirs)
+    assert b"./mnt/below" not in gzip.decompress(ours)  # --one-file-system: the mount point alone
+
+
+def _hardlink(root: Path) -> None:
+    os.link(root / "d" / "f", root / "d" / "f2")
+
+
+def _socket(root: Path) -> None:
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(root / "sock"))
+    s.close()
+
+
+def _sparse(root: Path) -> None:
+    with open(root / "sparse", "wb") as f:
+        f.truncate(8 << 20)
+        f.write(b"head")
+
+
+def _long_name(root: Path) -> None:
+    (root / ("x" * 60) / ("y" * 45)).mkdir(parents=True)
+
+
+@pytest.mark.parametrize("unusual", [_hardlink, _socket, _sparse, _long_name], ids=lambda f: f.__name__[1:])
+def test_a_tree_it_does_not_write_itself_goes_to_gnu_tar_unchanged(helper, tmpfs, unusual):
+    fast_tar.make_sample(tmpfs)
+    unusual(tmpfs)
+    ours = fast_tar.archive(str(helper), tmpfs)
+    assert not fast_tar.took_fast_path(ours), "the helper wrote a tree it should have handed over"
+    assert gzip.decompress(ours) == gzip.decompress(fast_tar.archive(fast_tar.real_tar(), tmpfs))
+
+
+def test_any_other_command_line_goes_to_gnu_tar(helper, tmp_path):
+    (tmp_path / "f").write_text("x")
+    listing = subprocess.run(["tar", "--create", "--file", "-", "-C", str(tmp_path), "f"], executable=str(helper),
+                             capture_output=True, check=True).stdout
+    out = subprocess.run(["tar", "--list", "--file", "-"], input=listing, capture_output=True, check=True).stdout
+    assert out == b"f\n"
+
+
+def test_check_accepts_the_helper_and_refuses_a_tar_that_writes_otherwise(helper, tmp_path):
+    assert fast_tar.check(helper) == ""
+    fake = tmp_path / "other-tar"  # a tar that writes a different (valid) archive
+    fake.write_text(f"#!/bin/sh\nexec {fast_tar.real_tar()} --create --gzip --mtime=@0 --directory /proc/self/fd/0 .\n")
+    fake.chmod(0o755)
+    assert "differs" in fast_tar.check(helper, tar=str(fake))
+
+
+def test_a_bad_switch_value_is_a_usage_error_naming_it():
+    r = subprocess.run(["python3", "-c", "import belayer_env.checkpoint.runtime"], capture_output=True, text=True,
+                       env={**os.environ, "BELAYER_CRIU_FAST_TAR": "yes"})
+    assert r.returncode != 0 and "BELAYER_CRIU_FAST_TAR must be 0 or 1, got 'yes'" in r.stderr
+
+
+TMPFS_STATE = r"""set -e
+cd /
+for d in /dev /dev/shm; do
+  find "$d" -xdev -printf '%p %y %m %U %G %s %l\n' | sort
+done
+find /dev/shm -xdev -type f -exec sha256sum {} + | sort
+"""
+
+
+def _tmpfs_state(sb) -> str:
+    r = sb.execute(TMPFS_STATE)
+    assert r["returncode"] == 0, r["output"]
+    return r["output"]
+
+
+def test_a_sandbox_restored_from_its_archives_has_the_same_tmpfs_contents(make_sandbox, ck_store, docker_client,
+                                                                        monkeypatch):
+    if not fast_tar.installed():
+        pytest.skip(f"{fast_tar.HELPER} not installed (bash scripts/setup.sh)")
+    sb = make_sandbox()
+    r = sb.execute("mkdir -p /dev/shm/a/b && head -c 200000 /dev/urandom > /dev/shm/a/b/data && "
+                   "chmod 600 /dev/shm/a/b/data && chown 1000:100 /dev/shm/a && ln -s a/b/data /dev/shm/link && "
+                   "mkfifo /dev/shm/fifo && : > /dev/shm/empty && chmod 1777 /dev/shm/a/b")
+    assert r["returncode"] == 0, r["output"]
+    before = _tmpfs_state(sb)
+    images = {}
+    for on in (False, True):
+        monkeypatch.setattr(runtime, "FAST_TAR", on)
+        ck = full_checkpoint(sb, ck_store)
+        tars = sorted((Path(ck.path) / "runtime").glob("tmpfs-dev-*.tar.gz.img"))
+        assert len(tars) >= 4, "expected Docker's /dev, /dev/shm and the masked paths among the tmpfs dumps"
+        assert all(fast_tar.took_fast_path(p.read_bytes()) == on for p in tars), [p.name for p in tars]
+        images[on] = {p.name: hashlib.sha256(gzip.decompress(p.read_bytes())).hexdigest() for p in tars}
+    # the same mounts, archived by GNU tar and by the helper: the same tar streams, bar the one of
+    # /run/belayer (the sandbox stages command output there, between the two captures)
+    assert images[True].keys() == images[False].keys()
+    assert sum(images[True][k] != images[False][k] for k in images[True]) <= 1
+    restored = full_restore(ck, client=docker_client)
+    assert _tmpfs_state(restored) == before
