@@ -302,6 +302,10 @@ int main(int argc, char **argv)
         hand_over(argv);
     if (add("./", &root_st, NULL) < 0)
         hand_over(argv);
+    int probe = open_beneath(root, "."); /* files are read through openat2 (Linux >= 5.6) */
+    if (probe < 0)
+        hand_over(argv);
+    close(probe);
     int walk_fd = dup(root);
     if (walk_fd < 0 || walk(walk_fd, "./", 0) < 0)
         hand_over(argv);
