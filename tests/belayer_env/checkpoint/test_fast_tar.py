@@ -7,8 +7,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import random
 import shutil
 import socket
+import stat
 import subprocess
 from pathlib import Path
 
@@ -52,6 +54,49 @@ def test_the_helper_writes_what_gnu_tar_writes_and_takes_its_own_path(helper, tm
     assert fast_tar.took_fast_path(ours) and not fast_tar.took_fast_path(theirs)
     assert gzip.decompress(ours) == gzip.decompress(theirs)
     assert b"./mnt/below" not in gzip.decompress(ours)  # --one-file-system: the mount point alone
+
+
+NAME_BYTES = [b"a", b"Z", b" ", b"\n", b"\xc3\xa9", b"-", b".", b"\\", b"*", b"?", b"\x01"]
+
+
+def _random_tree(root: Path, rnd: random.Random) -> None:
+    """Names with spaces, newlines, UTF-8 and glob characters, every mode bit, owners,
+    mtimes, device numbers: the kinds the helper writes itself, in random shapes."""
+    dirs = [bytes(root)]
+    for _ in range(rnd.randint(0, 40)):
+        name = b"".join(rnd.choice(NAME_BYTES) for _ in range(rnd.randint(1, 12)))
+        path = rnd.choice(dirs) + b"/" + name
+        if name in (b".", b"..") or os.path.lexists(path):
+            continue
+        kind = rnd.random()
+        if kind < 0.3:
+            os.mkdir(path, rnd.choice([0o755, 0o700, 0o1777, 0o555]))
+            dirs.append(path)
+        elif kind < 0.75:
+            with open(path, "wb") as f:
+                f.write(rnd.randbytes(rnd.choice([0, 1, 511, 512, 513, 4096, 70000])))
+            os.chmod(path, rnd.choice([0o644, 0o600, 0o4755, 0o2711, 0o000]))
+        elif kind < 0.85:
+            os.symlink(b"".join(rnd.choice(NAME_BYTES) for _ in range(rnd.randint(1, 30))), path)
+        elif kind < 0.92:
+            os.mkfifo(path, 0o600)
+        else:
+            os.mknod(path, 0o620 | stat.S_IFCHR, os.makedev(rnd.randint(0, 300), rnd.randint(0, 300)))
+        if rnd.random() < 0.3:
+            os.lchown(path, rnd.randint(0, 70000), rnd.randint(0, 70000))
+        if rnd.random() < 0.5:
+            os.utime(path, (rnd.randint(0, 2**32),) * 2, follow_symlinks=False)
+
+
+def test_random_trees_come_out_as_gnu_tar_writes_them(helper, tmpfs):
+    rnd = random.Random(15)
+    for i in range(25):
+        root = tmpfs / f"t{i}"
+        root.mkdir()
+        _random_tree(root, rnd)
+        ours = fast_tar.archive(str(helper), root)
+        assert fast_tar.took_fast_path(ours), f"tree {i} went to GNU tar"
+        assert gzip.decompress(ours) == gzip.decompress(fast_tar.archive(fast_tar.real_tar(), root)), f"tree {i}"
 
 
 def _hardlink(root: Path) -> None:
