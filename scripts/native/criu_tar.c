@@ -13,7 +13,8 @@
  * writes exactly like GNU tar: directories, regular files that are neither sparse nor
  * hard-linked, symlinks, device nodes and FIFOs, names short enough for one header.
  * Anything else (another command line, a socket, a hard link, a sparse file, a long
- * name, a file on another mount that is not a directory) is handed to the real tar
+ * name, a file on another mount that is not a directory, a tree deeper than MAX_DEPTH or
+ * larger than MAX_ENTRIES, a kernel without openat2) is handed to the real tar
  * (REAL_TAR) before a byte is written, with the same arguments and descriptors. Once
  * writing has begun, any surprise (a file that changed size under it) fails the dump:
  * CRIU then resumes the container and reports the dump failed; a wrong archive is never
@@ -41,6 +42,7 @@
 #define BLOCK 512
 #define RECORD (20 * BLOCK) /* GNU tar's default record: the archive is padded to it */
 #define MAX_DEPTH 64
+#define MAX_ENTRIES 100000 /* more (a sandbox can make millions): GNU tar, which streams */
 
 static const char *const criu_create_argv[] = {
     "tar", "--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system",
@@ -76,6 +78,8 @@ static int same_argv(char **argv)
 /* 0 when the entry was recorded, -1 when this tree is not one this program writes. */
 static int add(const char *name, const struct stat *st, const char *link)
 {
+    if (n_entries == MAX_ENTRIES)
+        return -1;
     if (n_entries == cap_entries) {
         cap_entries = cap_entries ? 2 * cap_entries : 64;
         entries = realloc(entries, cap_entries * sizeof(*entries));

@@ -119,7 +119,15 @@ def _long_name(root: Path) -> None:
     (root / ("x" * 60) / ("y" * 45)).mkdir(parents=True)
 
 
-@pytest.mark.parametrize("unusual", [_hardlink, _socket, _sparse, _long_name], ids=lambda f: f.__name__[1:])
+def _many_entries(root: Path) -> None:
+    many = root / "many"
+    many.mkdir()
+    for i in range(100_001):  # the helper keeps every entry in memory: past its cap, GNU tar streams
+        os.mknod(many / str(i), 0o644 | stat.S_IFREG)
+
+
+@pytest.mark.parametrize("unusual", [_hardlink, _socket, _sparse, _long_name, _many_entries],
+                         ids=lambda f: f.__name__[1:])
 def test_a_tree_it_does_not_write_itself_goes_to_gnu_tar_unchanged(helper, tmpfs, unusual):
     fast_tar.make_sample(tmpfs)
     unusual(tmpfs)
