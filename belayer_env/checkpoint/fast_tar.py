@@ -24,6 +24,7 @@ import gzip
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -99,7 +100,7 @@ def make_sample(root: Path) -> None:
     os.symlink("../d/f", root / "d" / "e" / "link")
     os.mkfifo(root / "fifo", 0o640)
     with contextlib.suppress(PermissionError):
-        os.mknod(root / "null", 0o666 | 0o020000, os.makedev(1, 3))
+        os.mknod(root / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     with contextlib.suppress(PermissionError):
         os.chown(root / "d" / "f", 1000, 65534)
     for i, p in enumerate(sorted(root.rglob("*"), reverse=True)):
