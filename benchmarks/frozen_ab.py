@@ -54,12 +54,15 @@ def resize(n: int) -> None:
     assert conntrack.buckets() == n, f"the kernel kept {conntrack.buckets()} buckets, not {n}"
 
 
-def use_yard(on: bool) -> None:
-    runtime.CGROUP_YARD = on
+def set_switch(name: str, on: bool) -> None:
+    setattr(runtime, name, on)
 
 
-def use_fast_tar(on: bool) -> None:
-    runtime.FAST_TAR = on
+def switch_variants(name: str) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    """A ``runtime`` on/off switch: ``default`` off, ``tuned`` on; put back as found."""
+    found = getattr(runtime, name)
+    return ({"default": partial(set_switch, name, False), "tuned": partial(set_switch, name, True)},
+            partial(set_switch, name, found))
 
 
 def conntrack_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
@@ -81,16 +84,14 @@ def yard_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[],
     if not links:
         raise SystemExit("frozen_ab: this host has no cgroup yard (hierarchies not mounted at their roots)")
     result["knob_detail"] = {"yard": dict(links)}
-    found = runtime.CGROUP_YARD
-    return {"default": partial(use_yard, False), "tuned": partial(use_yard, True)}, partial(use_yard, found)
+    return switch_variants("CGROUP_YARD")
 
 
 def fast_tar_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
     if not fast_tar.installed():
         raise SystemExit(f"frozen_ab: {fast_tar.HELPER} is not installed (bash scripts/setup.sh)")
     result["knob_detail"] = {"helper": str(fast_tar.HELPER)}
-    found = runtime.FAST_TAR
-    return {"default": partial(use_fast_tar, False), "tuned": partial(use_fast_tar, True)}, partial(use_fast_tar, found)
+    return switch_variants("FAST_TAR")
 
 
 KNOBS = {"conntrack": conntrack_knob, "cgroup-yard": yard_knob, "fast-tar": fast_tar_knob}
