@@ -46,8 +46,23 @@ apt_install() {
 # ---------------------------------------------------------------- Docker engine
 step "Docker engine"
 docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
-if docker_ok && [ "$(docker info --format '{{.ExperimentalBuild}}' 2>/dev/null)" = true ]; then
+# CRIU's restores (run by dockerd -> containerd -> runc) find their tmpfs tar through dockerd's
+# PATH: ours first (belayer_env/checkpoint/fast_tar.py, built below; until then, or if it is not
+# installed, tar is GNU tar as before)
+FAST_TAR_DIR=/usr/local/libexec/belayer-criu-tar
+dockerd_path_ok() {
+  local pid; pid=$(pgrep -xo dockerd) || return 1
+  tr '\0' '\n' <"/proc/$pid/environ" | grep -q "^PATH=$FAST_TAR_DIR:"
+}
+# a dockerd we may restart for that alone: not systemd's, and holding no container
+dockerd_restartable() {
+  ! { command -v systemctl >/dev/null && systemctl is-active --quiet docker 2>/dev/null; } &&
+    [ -z "$(timeout 10 docker ps -aq 2>/dev/null)" ]
+}
+if docker_ok && [ "$(docker info --format '{{.ExperimentalBuild}}' 2>/dev/null)" = true ] &&
+   { dockerd_path_ok || ! dockerd_restartable; }; then
   info "dockerd answers, experimental on"
+  dockerd_path_ok || info "its PATH lacks $FAST_TAR_DIR (it holds containers or is systemd's): restores run GNU tar"
 else
   command -v dockerd >/dev/null || apt_install docker.io
   mkdir -p /etc/docker
@@ -63,7 +78,7 @@ p.write_text(json.dumps(cfg, indent=2))
 PYEOF
   fi
   if docker_ok; then
-    info "dockerd runs without experimental: restarting it"
+    info "dockerd runs without experimental or without $FAST_TAR_DIR in its PATH: restarting it"
     pkill -x dockerd || true
     for _ in $(seq 60); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
   fi
@@ -78,7 +93,7 @@ PYEOF
   pgrep -x dockerd >/dev/null && die "an old dockerd does not exit; stop it and re-run"
   rm -f /var/run/docker.pid
   info "starting dockerd (log: $LOG_DIR/dockerd.log)"
-  setsid nohup dockerd >"$LOG_DIR/dockerd.log" 2>&1 </dev/null &
+  setsid nohup env PATH="$FAST_TAR_DIR:$PATH" dockerd >"$LOG_DIR/dockerd.log" 2>&1 </dev/null &
   for _ in $(seq 120); do docker_ok && break; sleep 0.5; done
   docker_ok || { tail -n 30 "$LOG_DIR/dockerd.log" >&2; die "dockerd did not answer within 60 s"; }
   info "dockerd up: $(docker info --format 'server {{.ServerVersion}}, storage {{.Driver}}, experimental {{.ExperimentalBuild}}')"
@@ -205,7 +220,7 @@ ct_out=$("$PY" "$ROOT/belayer_env/conntrack.py") || die "could not size the conn
 info "$ct_out"
 
 # ------------------------- CRIU's tmpfs tar (belayer_env/checkpoint/fast_tar.py: frozen time)
-step "CRIU's tmpfs tar (six tar + gzip runs inside every checkpoint's freeze, made in-process)"
+step "CRIU's tmpfs tar (six tar + gzip runs inside every checkpoint's freeze and every restore, made in-process)"
 { command -v gcc >/dev/null && [ "$(gcc -print-file-name=libz.a)" != libz.a ] && [ -f /usr/include/zlib.h ]; } \
   || apt_install build-essential zlib1g-dev
 tar_out=$("$PY" "$ROOT/belayer_env/checkpoint/fast_tar.py") || die "could not build CRIU's tmpfs tar"

@@ -1,26 +1,35 @@
-"""The ``tar`` CRIU runs to dump each tmpfs inside the freeze, made cheap.
+"""The ``tar`` CRIU runs for every tmpfs of a sandbox, at dump and at restore, made cheap.
 
 Why: CRIU dumps every tmpfs of a container (Docker's ``/dev``, ``/dev/shm``,
 ``/sys/fs/cgroup``, the masked ``/sys/firmware`` and ``/proc/acpi``, the sandbox's
-``/run/belayer``) by running ``tar --create --gzip``, and GNU tar runs ``sh -c gzip``: three
-dynamically linked programs per mount, 4-6 ms each on the 2-core VM here, ~25 ms of every
-frozen window for six trees of a few kilobytes. ``scripts/native/criu_tar.c`` is a static
-program that writes the same archive in-process (GNU format, byte for byte what GNU tar
-writes; zlib level 1, so the restore's ``tar --extract --gzip`` reads it unchanged) in
-~0.7 ms, and hands every command line or tree it does not write exactly so (sockets, hard
-links, sparse files, long names) to the real tar, before writing a byte.
+``/run/belayer``) by running ``tar --create --gzip``, and restores it with ``tar --extract
+--gzip``; GNU tar runs ``sh -c gzip``: three dynamically linked programs per mount, 4-6 ms
+each on the 2-core VM here, ~25 ms of every frozen window and ~30 ms of the 75 ms CRIU
+spends in each restore (its restore.log), for six trees of a few kilobytes.
+``scripts/native/criu_tar.c`` is a static program that writes the same archive in-process
+(GNU format, byte for byte what GNU tar writes; zlib level 1) in ~0.7 ms, and hands every
+command line or tree it does not write exactly so (sockets, hard links, sparse files, long
+names) to the real tar, before writing a byte. ``criu_untar.c``, its restore side, makes
+what GNU tar makes of such an archive (entries, modes, numeric owners, mtimes; atime: when
+it started, as GNU tar), after reading it whole once; any other archive (GNU tar's hard
+links, long names, sparse files, owner names, a second gzip member), a target that is not
+empty or a stdin that cannot be re-read goes to the real tar from the archive's start.
 
 ``install()`` (``bash scripts/setup.sh``, or ``python3 belayer_env/checkpoint/fast_tar.py``)
 builds it into ``HELPER`` only if its archive of a sample tree is byte-identical to the host
-tar's; otherwise it removes any old build and says why. Dumps put ``DIR`` first in the PATH
-of runc and CRIU (``runtime.dump``; ``BELAYER_CRIU_FAST_TAR=0`` turns that off), where it
-shadows nothing but ``tar``. Restores are untouched (Docker runs them, with GNU tar).
+tar's and its extraction of that archive gives the tree the host tar's gives; otherwise it
+removes any old build and says why. Dumps put ``DIR`` first in the PATH of runc and CRIU
+(``runtime.dump``; ``BELAYER_CRIU_FAST_TAR=0`` turns that off), where it shadows nothing but
+``tar``. Restores run under Docker (dockerd -> containerd -> runc -> CRIU), with dockerd's
+PATH: set-up starts dockerd with ``DIR`` first in it (``dockerd_uses_it``); a dockerd
+started otherwise restores with GNU tar, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import os
 import shutil
 import socket
@@ -32,10 +41,15 @@ from pathlib import Path
 
 DIR = Path("/usr/local/libexec/belayer-criu-tar")
 HELPER = DIR / "tar"
-SOURCE = Path(__file__).resolve().parents[2] / "scripts" / "native" / "criu_tar.c"
+NATIVE = Path(__file__).resolve().parents[2] / "scripts" / "native"
+SOURCES = (NATIVE / "criu_tar.c", NATIVE / "criu_untar.c")
 CRIU_ARGS = ("--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system", "--check-links",
              "--preserve-permissions", "--sparse", "--numeric-owner", "--directory", "/proc/self/fd/0", ".")
 """What CRIU 4.x runs (``tmpfs_dump`` in criu/filesystems.c), the mount's root on stdin."""
+EXTRACT_ARGS = ("--extract", "--gzip", "--no-unquote", "--no-wildcards", "--directory")
+"""What CRIU 4.x runs to restore one (``tmpfs_restore``), then the mount; the image on stdin."""
+EXTRACTED = "belayer-criu-tar: extracted "
+"""How the helper's in-process extraction starts its line in CRIU's restore log."""
 
 
 class BuildError(RuntimeError):
@@ -44,6 +58,23 @@ class BuildError(RuntimeError):
 
 def installed() -> bool:
     return os.access(HELPER, os.X_OK)
+
+
+def dockerd_uses_it() -> bool | None:
+    """Whether the local dockerd (whose PATH CRIU's restores inherit) finds ``DIR`` first;
+    None when no dockerd runs here (a remote daemon) or its environment is unreadable."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "comm").read_text().strip() != "dockerd":
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        path = next((e[5:].decode(errors="replace") for e in env if e.startswith(b"PATH=")), "")
+        return path.split(":")[0] == str(DIR)
+    return None
 
 
 def dump_path(path: str | None) -> str:
@@ -58,16 +89,16 @@ def real_tar() -> str:
     return os.path.realpath(found)
 
 
-def build(out: Path, tar: str | None = None, source: Path = SOURCE) -> None:
+def build(out: Path, tar: str | None = None, sources: tuple[Path, ...] = SOURCES) -> None:
     """Compile the helper (static, zlib) into ``out``; it hands over to ``tar``."""
     gcc = shutil.which("gcc")
     if gcc is None:
         raise BuildError("no gcc (apt-get install build-essential zlib1g-dev)")
     tar = tar or real_tar()
-    r = subprocess.run([gcc, "-O2", "-Wall", "-static", f'-DREAL_TAR="{tar}"', "-o", str(out), str(source), "-lz"],
-                       capture_output=True, text=True)
+    r = subprocess.run([gcc, "-O2", "-Wall", "-static", f'-DREAL_TAR="{tar}"', "-o", str(out), *map(str, sources),
+                        "-lz"], capture_output=True, text=True)
     if r.returncode != 0:
-        raise BuildError(f"gcc failed on {source.name}: {r.stderr.strip()[-400:]}")
+        raise BuildError(f"gcc failed on {', '.join(s.name for s in sources)}: {r.stderr.strip()[-400:]}")
 
 
 def archive(program: str, root: Path, args: tuple[str, ...] = CRIU_ARGS) -> bytes:
@@ -80,6 +111,37 @@ def archive(program: str, root: Path, args: tuple[str, ...] = CRIU_ARGS) -> byte
     if r.returncode != 0:
         raise BuildError(f"{program} failed ({r.returncode}): {r.stderr.decode(errors='replace').strip()[-300:]}")
     return r.stdout
+
+
+def extract(program: str, gz: bytes, dest: Path) -> str:
+    """Run ``program`` the way CRIU's restore runs tar: ``gz`` on stdin (a file, as CRIU's
+    image is), ``dest`` the (empty) mount to fill; what it logged (CRIU's log gets stdout)."""
+    with tempfile.TemporaryFile() as f:
+        f.write(gz)
+        f.seek(0)
+        r = subprocess.run(["tar", *EXTRACT_ARGS, str(dest)], executable=program, stdin=f, capture_output=True,
+                           cwd="/")
+    if r.returncode != 0:
+        raise BuildError(f"{program} failed to extract ({r.returncode}): "
+                         f"{r.stderr.decode(errors='replace').strip()[-300:]}")
+    return r.stdout.decode(errors="replace")
+
+
+def extracted_in_process(log: str) -> bool:
+    return log.startswith(EXTRACTED)
+
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Everything a restore must reproduce of a tree: per path its type, mode, owner, mtime,
+    device, size, link target and content hash (not atime: tar sets it to its start)."""
+    state = {}
+    for p in [root, *sorted(root.rglob("*"))]:
+        st = p.lstat()
+        extra = (os.readlink(p),) if p.is_symlink() else \
+            (hashlib.sha256(p.read_bytes()).hexdigest(),) if stat.S_ISREG(st.st_mode) else ()
+        state[str(p.relative_to(root))] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_rdev,
+                                           st.st_size if not stat.S_ISDIR(st.st_mode) else 0, *extra)
+    return state
 
 
 def took_fast_path(gz: bytes) -> bool:
@@ -128,6 +190,31 @@ def check(helper: Path = HELPER, tar: str | None = None) -> str:
             sock.close()
         if gzip.decompress(handed) != gzip.decompress(theirs):
             return f"a tree it hands to {tar} came out different"
+        (root / "sock").unlink()
+        return _check_extract(helper, tar, root, ours, Path(tmp))
+
+
+def _check_extract(helper: Path, tar: str, root: Path, gz: bytes, tmp: Path) -> str:
+    """Why its extraction must not be used, or "": the sample archive comes out as ``tar``
+    makes it, in-process, and an archive it does not extract (a hard link) goes to ``tar``."""
+    mine, theirs = tmp / "mine", tmp / "theirs"
+    for d in (mine, theirs):
+        d.mkdir()
+    if not extracted_in_process(extract(str(helper), gz, mine)):
+        return "it handed the sample archive to the real tar"
+    extract(tar, gz, theirs)
+    if tree_state(mine) != tree_state(theirs):
+        return f"its extraction of a sample archive differs from {tar}'s"
+    os.link(root / "d" / "f", root / "d" / "f2")
+    linked = archive(tar, root)
+    for d in (mine, theirs):
+        shutil.rmtree(d)
+        d.mkdir()
+    if extracted_in_process(extract(str(helper), linked, mine)):
+        return "it extracted a hard link itself"
+    extract(tar, linked, theirs)
+    if tree_state(mine) != tree_state(theirs):
+        return f"an archive it hands to {tar} came out different"
     return ""
 
 

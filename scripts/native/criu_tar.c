@@ -35,9 +35,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#ifndef REAL_TAR
-#define REAL_TAR "/usr/bin/tar"
-#endif
+#include "criu_tar.h"
 
 #define BLOCK 512
 #define RECORD (20 * BLOCK) /* GNU tar's default record: the archive is padded to it */
@@ -59,7 +57,7 @@ static struct entry *entries;
 static size_t n_entries, cap_entries;
 
 /* The real tar, same arguments and descriptors: used for everything not taken here. */
-static void hand_over(char **argv)
+void hand_over(char **argv)
 {
     execv(REAL_TAR, argv);
     fprintf(stderr, "belayer-criu-tar: cannot run %s: %s\n", REAL_TAR, strerror(errno));
@@ -295,6 +293,8 @@ static void body(int root, const struct entry *e)
 int main(int argc, char **argv)
 {
     (void)argc;
+    if (is_extract_argv(argv))
+        return untar(argv);
     if (!same_argv(argv))
         hand_over(argv);
 

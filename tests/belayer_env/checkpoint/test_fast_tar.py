@@ -1,6 +1,8 @@
 """``fast_tar``: the helper CRIU runs as ``tar`` to dump a tmpfs writes, byte for byte, the
-archive GNU tar writes, hands every tree it does not write exactly so to GNU tar, and a
-sandbox restored from its archives has the same tmpfs contents."""
+archive GNU tar writes, hands every tree it does not write exactly so to GNU tar; to restore
+one it makes what GNU tar makes of the archive and hands every other archive (and every
+escape attempt) to GNU tar; a sandbox restored from its archives, through Docker, has the
+same tmpfs contents and was filled by the helper."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -152,6 +155,127 @@ def test_check_accepts_the_helper_and_refuses_a_tar_that_writes_otherwise(helper
     assert "differs" in fast_tar.check(helper, tar=str(fake))
 
 
+def _outcome(program: str, gz: bytes, dest: Path, stdin_pipe: bool = False) -> tuple[int, bool, dict]:
+    """Exit status, whether it extracted in-process, and the tree it left in ``dest``."""
+    args = ["tar", *fast_tar.EXTRACT_ARGS, str(dest)]
+    if stdin_pipe:
+        r = subprocess.run(args, executable=program, input=gz, capture_output=True, cwd="/")
+    else:
+        with tempfile.TemporaryFile() as f:
+            f.write(gz)
+            f.seek(0)
+            r = subprocess.run(args, executable=program, stdin=f, capture_output=True, cwd="/")
+    return r.returncode, fast_tar.extracted_in_process(r.stdout.decode(errors="replace")), fast_tar.tree_state(dest)
+
+
+def _both(helper: Path, gz: bytes, base: Path, prepare=None, stdin_pipe: bool = False):
+    """The helper's and GNU tar's outcomes for ``gz``, each into a fresh dir under ``base``."""
+    out = []
+    for who, program in (("mine", str(helper)), ("theirs", fast_tar.real_tar())):
+        dest = base / who
+        dest.mkdir()
+        if prepare:
+            prepare(dest)
+        out.append(_outcome(program, gz, dest, stdin_pipe))
+    return out
+
+
+def test_random_archives_extract_as_gnu_tar_extracts_them(helper, tmpfs):
+    rnd = random.Random(16)
+    for i in range(25):
+        root = tmpfs / f"t{i}"
+        root.mkdir()
+        _random_tree(root, rnd)
+        gz = fast_tar.archive(str(helper), root)
+        work = tmpfs / f"x{i}"
+        work.mkdir()
+        (rc, fast, tree), (their_rc, _, their_tree) = _both(helper, gz, work)
+        assert rc == their_rc == 0 and fast, f"tree {i}: {rc} {their_rc} {fast}"
+        assert tree == their_tree, f"tree {i}"
+        source = {k: (*v[:3], v[3] // 10**9 * 10**9, *v[4:]) for k, v in fast_tar.tree_state(root).items()}
+        assert tree == source, f"tree {i}: not the tree archived (mtimes in whole seconds: GNU's format)"
+
+
+def _rewrite(gz: bytes, old: str, new: str) -> bytes:
+    """The archive with member ``old`` renamed ``new`` (its header's checksum fixed)."""
+    raw = bytearray(gzip.decompress(gz))
+    for off in range(0, len(raw), 512):
+        if raw[off:off + 100].rstrip(b"\0") == old.encode():
+            raw[off:off + 100] = new.encode().ljust(100, b"\0")
+            raw[off + 148:off + 156] = b" " * 8
+            raw[off + 148:off + 155] = b"%06o\0" % sum(raw[off:off + 512])
+            return gzip.compress(bytes(raw))
+    raise AssertionError(f"no member {old}")
+
+
+def _no_dir_mtimes(state: dict) -> dict:
+    return {k: (*v[:3], None if stat.S_ISDIR(v[0]) else v[3], *v[4:]) for k, v in state.items()}
+
+
+def _gnu_archive_of(unusual):
+    def make(helper: Path, root: Path) -> bytes:
+        fast_tar.make_sample(root)
+        unusual(root)
+        return fast_tar.archive(fast_tar.real_tar(), root)
+    return make
+
+
+def _sample(edit=None):
+    def make(helper: Path, root: Path) -> bytes:
+        fast_tar.make_sample(root)
+        gz = fast_tar.archive(str(helper), root)
+        return edit(gz) if edit else gz
+    return make
+
+
+ODD_ARCHIVES = {
+    "hard link": _gnu_archive_of(_hardlink),
+    "long name": _gnu_archive_of(_long_name),
+    "sparse file": _gnu_archive_of(_sparse),
+    "second gzip member": _sample(lambda gz: gz + gzip.compress(b"\0" * 1024)),
+    "trailing bytes": _sample(lambda gz: gz + b"junk"),
+    "truncated": _sample(lambda gz: gz[:len(gz) // 2]),
+    "bad checksum": _sample(lambda gz: gzip.compress(gzip.decompress(gz)[:600] + b"X" + gzip.decompress(gz)[601:])),
+    "dot-dot escape": _sample(lambda gz: _rewrite(gz, "./d/f", "./../escaped")),
+    "through a symlink": _sample(lambda gz: _rewrite(gz, "./d/e/g", "./d/e/link/g")),
+    "name twice": _sample(lambda gz: _rewrite(gz, "./empty", "./block")),
+    "absolute name": _sample(lambda gz: _rewrite(gz, "./empty", "/tmp/belayer-absolute")),
+}
+
+
+@pytest.mark.parametrize("case", list(ODD_ARCHIVES))
+def test_an_archive_it_does_not_extract_itself_goes_to_gnu_tar(helper, tmpfs, case):
+    src = tmpfs / "src"
+    src.mkdir()
+    gz = ODD_ARCHIVES[case](helper, src)
+    (tmpfs / "work").mkdir()
+    (rc, fast, tree), (their_rc, _, their_tree) = _both(helper, gz, tmpfs / "work")
+    assert not fast, f"{case}: extracted in-process"
+    # (directories GNU tar makes on its own way, as for "/tmp/..." -> "tmp/", get the time of the run)
+    assert (rc, _no_dir_mtimes(tree)) == (their_rc, _no_dir_mtimes(their_tree)), case
+    assert sorted(p.name for p in (tmpfs / "work").iterdir()) == ["mine", "theirs"], "something landed outside"
+    assert not os.path.lexists("/tmp/belayer-absolute")
+
+
+def test_a_target_not_empty_or_a_pipe_goes_to_gnu_tar(helper, tmpfs):
+    src = tmpfs / "src"
+    src.mkdir()
+    gz = _sample()(helper, src)
+    for name, kw in (("not-empty", {"prepare": lambda d: (d / "empty").write_text("there first\n")}),
+                     ("pipe", {"stdin_pipe": True})):
+        (tmpfs / name).mkdir()
+        (rc, fast, tree), (their_rc, _, their_tree) = _both(helper, gz, tmpfs / name, **kw)
+        assert not fast and (rc, tree) == (their_rc, their_tree), name
+
+
+def test_check_refuses_a_tar_that_extracts_otherwise(helper, tmp_path):
+    fake = tmp_path / "other-tar"  # writes GNU tar's archive, extracts with the umask applied
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --extract ] && exec {fast_tar.real_tar()} "$@" --no-same-permissions\n'
+                    f'exec {fast_tar.real_tar()} "$@"\n')
+    fake.chmod(0o755)
+    assert "extraction of a sample archive differs" in fast_tar.check(helper, tar=str(fake))
+
+
 def test_a_bad_switch_value_is_a_usage_error_naming_it():
     r = subprocess.run(["python3", "-c", "import belayer_env.checkpoint.runtime"], capture_output=True, text=True,
                        env={**os.environ, "BELAYER_CRIU_FAST_TAR": "yes"})
@@ -161,7 +285,9 @@ def test_a_bad_switch_value_is_a_usage_error_naming_it():
 TMPFS_STATE = r"""set -e
 cd /
 for d in /dev /dev/shm; do
-  find "$d" -xdev -printf '%p %y %m %U %G %s %l\n' | sort
+  # mtimes of the tmpfs entries (CRIU's tar restores them); /dev/pts and /dev/mqueue are other mounts
+  find "$d" -xdev \( -fstype tmpfs -printf '%p %y %m %U %G %s %l %T@\n' \) -o -printf '%p %y %m %U %G %s %l\n' |
+    sed 's/\.[0-9]*$//' | sort
 done
 find /dev/shm -xdev -type f -exec sha256sum {} + | sort
 """
@@ -196,4 +322,10 @@ def test_a_sandbox_restored_from_its_archives_has_the_same_tmpfs_contents(make_s
     assert images[True].keys() == images[False].keys()
     assert sum(images[True][k] != images[False][k] for k in images[True]) <= 1
     restored = full_restore(ck, client=docker_client)
-    assert _tmpfs_state(restored) == before
+    assert _tmpfs_state(restored) == before  # types, modes, owners, sizes, targets, mtimes, contents
+    if fast_tar.dockerd_uses_it() is False:
+        pytest.fail(f"dockerd's PATH does not start with {fast_tar.DIR}: restores run GNU tar "
+                    "(bash scripts/setup.sh restarts a dockerd that holds no container with it)")
+    log = (Path(docker_client.info()["DockerRootDir"]) / "containerd" / "daemon" / "io.containerd.runtime.v2.task"
+           / "moby" / restored.container_id / "restore.log").read_text(errors="replace")
+    assert log.count(fast_tar.EXTRACTED) == len(images[True]), "CRIU's restore ran GNU tar for some tmpfs"
