@@ -230,7 +230,8 @@ def check_fast_tar() -> Check:
                      f"(~25 ms more each): dockerd's PATH does not start with {fast_tar.DIR}",
                      f"run `{SETUP}` (restarts a dockerd that holds no container with it), or start dockerd "
                      f"with PATH={fast_tar.DIR}:$PATH", required=False)
-    where = "and every restore" if restores else "(restores: no local dockerd to check)"
+    where = ("and every restore" if not fast_tar.RESTORE_OFF.exists() else f"(restores: off, {fast_tar.RESTORE_OFF})"
+             ) if restores else "(restores: no local dockerd to check)"
     return Check("criu tmpfs tar", True, f"{fast_tar.HELPER}: GNU tar's archives, in-process; used by {used} {where}",
                  "", required=False)
 

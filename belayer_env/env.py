@@ -32,6 +32,7 @@ from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence, sandbox_containers, wait_removed
+from belayer_env.fork_pool import ForkPool
 from belayer_env.phases import Phase, PhaseHook
 from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
 from belayer_env.rewards import Reward, ZeroReward
@@ -69,6 +70,10 @@ class EnvConfig(StrictModel):
     standby: bool = False
     """Keep the newest checkpoint pre-restored in a frozen standby when the policy agrees
     (memory, cost): a rollback onto it is fence + thaw + verify (checkpoint/standby.py)."""
+    fork_pool: int = Field(default=0, ge=0, le=64)
+    """Keep this many fork containers created ahead, refilled in the background after
+    ``reset`` and each ``fork`` (``belayer_env.fork_pool``): ``fork(n)`` then only starts
+    them. Each costs a created container (and its disk cap's loop mount). 0: off."""
 
 
 class _OneThread:
@@ -119,6 +124,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                                          keep=config.keep_checkpoints, runtime=config.runtime,
                                          allow_degraded=config.allow_degraded, standby=config.standby)
         self.sandbox: DockerSandbox | None = None
+        self.fork_pool: ForkPool | None = None
         self.name = ""
         self._episode_config = config.sandbox
         self._setup: list[str] = []
@@ -158,6 +164,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                 if attempt + 1 == self.config.recovery_attempts:
                     raise
         self._done = False
+        self.refill_fork_pool()
         observe_reset = getattr(self.policy, "observe_reset", None)  # a policy of an older protocol may lack it
         if observe_reset is not None:
             observe_reset(time.monotonic() - started)
@@ -229,6 +236,18 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
             return fork_env(self, n)
 
+    def refill_fork_pool(self) -> None:
+        """Top up ``fork_pool`` containers for this sandbox in the background (config
+        ``fork_pool``; a pool made for another image or settings is replaced)."""
+        if not self.config.fork_pool or self.sandbox is None:
+            return
+        if self.fork_pool is not None and not self.fork_pool.serves(self.sandbox):
+            self.fork_pool.close()
+            self.fork_pool = None
+        if self.fork_pool is None:
+            self.fork_pool = ForkPool(self.sandbox, self.config.fork_pool, new_name=self._new_name)
+        self.fork_pool.fill()
+
     def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:
         """Call ``hook(phase)`` at every named ``Phase`` of this env's captures and restores
         (boundary 0's fresh sandbox included: ``created``, ``verified``); returns a function
@@ -244,6 +263,9 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
     def close(self) -> None:
         """Remove the sandbox container and every checkpoint this env made (idempotent)."""
         with self._one_thread("close"):
+            if self.fork_pool is not None:
+                self.fork_pool.close()
+                self.fork_pool = None
             self.checkpointer.close()
             self._fence()
             wait_cleaned()  # the restores' spent copies, deleted on threads

@@ -40,6 +40,7 @@ from belayer_env.checkpoint.restore import DEFAULT_IMAGES, full_restore
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence
+from belayer_env.fork_pool import ForkPool, Slot
 from belayer_env.sandbox import DockerSandbox
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def fork_name(checkpoint: Checkpoint, index: int) -> str:
 
 def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
          names: list[str] | None = None, parallel: int = 8, share: bool = True,
-         fresh_names: bool = False) -> list[DockerSandbox]:
+         fresh_names: bool = False, pool: ForkPool | None = None) -> list[DockerSandbox]:
     """Restore ``checkpoint`` ``n`` times into new sandboxes; all or none.
 
     ``share``: the forks share the checkpoint's layer copy-on-write (module docstring);
@@ -63,6 +64,9 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
     ``names``: the forks' sandbox names (default: generated, a random suffix each); every
     container already holding one is fenced first, unless ``fresh_names`` says none can
     (random names, as generated ones are: a restore that finds one taken fails instead).
+    ``pool``: forks start in its containers where it has them and the checkpoint was taken
+    of a container made like them (``fork_pool``; not with ``names``, nor unshared), named
+    as the pool named them; the rest are created here, named by the pool too.
     Raises ``RestoreFailed`` (the first failure) after fencing every fork already made; the
     sandbox the checkpoint was taken from is never touched.
     """
@@ -70,8 +74,12 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         raise UsageError(f"n must be an int in 1..{MAX_FORKS}, got {n!r}")
     if names is not None and (len(names) != n or len(set(names)) != n or checkpoint.sandbox in names):
         raise UsageError("names must be n distinct sandbox names, none the checkpoint's own")
+    if pool is not None and (names is not None or not share):
+        raise UsageError("a fork pool names its forks and serves shared forks: no names=, no share=False")
     client = client or connect(checkpoint.config.docker_host)
     generated = names is None or fresh_names  # no container holds them: nothing to fence first
+    if pool is not None:
+        names = [pool.new_name() for _ in range(n)]
     names = names or [fork_name(checkpoint, i) for i in range(n)]
     if not share:
         return _restore_all(checkpoint, client, names, parallel, None, fence_first=not generated)
@@ -89,8 +97,12 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
             # while the forks' containers are created; each fork starts once both are verified
             images_job = one.submit(_verified_images, checkpoint, client, data) if checkpoint.has_runtime else None
             with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
+                slots = _take(pool, checkpoint, data, n) if shared is not None else []
+                if slots:  # the pool's containers, then new ones for the rest
+                    names = [s.target for s in slots] + names[len(slots):]
                 try:
-                    return _restore_all(checkpoint, client, names, parallel, shared, images_job, not generated)
+                    return _restore_all(checkpoint, client, names, parallel, shared, images_job, not generated,
+                                        slots)
                 except RestoreFailed as e:
                     if not isinstance(e.__cause__, shared_layer.Unshareable):
                         raise
@@ -133,15 +145,23 @@ def _discard_images(d: Path) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _take(pool: ForkPool | None, checkpoint: Checkpoint, data: dict[str, Any], n: int) -> list[Slot]:
+    if pool is None or not pool.matches(checkpoint.config, data.get("image_id"), bool(data.get("network_disabled"))):
+        return []
+    return pool.take(n)
+
+
 def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,
                  shared: shared_layer.SharedLower | None,
                  images: concurrent.futures.Future[Path] | None = None,
-                 fence_first: bool = True) -> list[DockerSandbox]:
+                 fence_first: bool = True, slots: list[Slot] | None = None) -> list[DockerSandbox]:
+    slots = slots or []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
                                                thread_name_prefix="belayer-fork") as pool:
         futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
-                               verified_images=images, fence_first=fence_first)
-                   for name in names]
+                               verified_images=images, fence_first=fence_first,
+                               precreated=slots[i] if i < len(slots) else None)
+                   for i, name in enumerate(names)]
         concurrent.futures.wait(futures)
     forks = [f.result() for f in futures if f.exception() is None]
     failed = [f.exception() for f in futures if f.exception() is not None]
@@ -170,8 +190,14 @@ def fork_env(env: RecoverableSandboxEnv, n: int) -> list[RecoverableSandboxEnv]:
         raise UsageError("fork() needs a running episode: call reset() first")
     k = len(env.trajectory.steps)
     ck = env.checkpointer.boundary_checkpoint(env.sandbox, k, SETTLE_S)
-    names = [env._new_name() for _ in range(n)]
-    sandboxes = fork(ck, n, client=env.client, names=names, fresh_names=True)
+    if env.fork_pool is not None:  # its containers first; it names every fork as the env does
+        try:
+            sandboxes = fork(ck, n, client=env.client, pool=env.fork_pool)
+        finally:
+            env.refill_fork_pool()
+    else:
+        names = [env._new_name() for _ in range(n)]
+        sandboxes = fork(ck, n, client=env.client, names=names, fresh_names=True)
     children = []
     for sandbox in sandboxes:
         child = RecoverableSandboxEnv(env.config, checkpoint_policy=copy.deepcopy(env.policy),

@@ -32,6 +32,9 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   (unpacked once); ``restore_s`` is the time until all n run.
 - ``fork_copied``: ``fork(checkpoint, n, share=False)``: the same, each fork unpacking its
   own copy of the layer (what ``fork`` did before); order with ``fork`` alternating by round.
+- ``fork_pooled``: ``fork(checkpoint, n, pool=pool)`` into a ``ForkPool`` of n containers
+  created ahead from the sandbox (untimed, as an env's ``fork_pool`` fills in the background):
+  the forks only start; order with the other two rotating by round.
 - ``cold``: create + start a fresh container (what a restore competes with: no state).
 
 The machine may be shared: the load average is recorded at the start and after every run
@@ -40,7 +43,7 @@ not with figures from another machine.
 
 Each round starts with an agent-like step (a few small files written) so there is something to
 capture. ``--capture-only``: only the two captures and the restore, per round (short runs).
-``--fork-only``: only a capture and the two forks (shared, copied), per round.
+``--fork-only``: only a capture and the three forks (shared, copied, pooled), per round.
 
 Every timed call starts once the previous one's background work has finished (``settle``:
 a fenced container's removal, a restore's spent copies and the write-back of what a prestage
@@ -84,6 +87,7 @@ from belayer_env.checkpoint.store import owner_tag  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 from belayer_env.fence import wait_removed  # noqa: E402
+from belayer_env.fork_pool import ForkPool  # noqa: E402
 from belayer_env.forking import fork  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
@@ -107,13 +111,15 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "fork_copied", "docker", "cold")
+METHODS = ("belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "fork_copied", "fork_pooled",
+           "docker", "cold")
 STEP = "mkdir -p /work/steps && for i in 1 2 3 4 5; do echo {i} >> /work/steps/log$i; done && echo {i} > /work/steps/last"
 """An agent-like step before every capture: a few small files appended to or rewritten."""
 LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused capture (before)",
           "prestaged": "belayer (pre-staged)", "prestaged_copied": "belayer (pre-staged, copied)",
           "standby": "belayer (standby)",
-          "fork": "belayer fork x N (all, shared)", "fork_copied": "belayer fork x N (all, copied)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
+          "fork": "belayer fork x N (all, shared)", "fork_copied": "belayer fork x N (all, copied)",
+          "fork_pooled": "belayer fork x N (all, shared, into a pool created ahead)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
 STANDBY_WAIT_S = 300.0
 
 
@@ -193,11 +199,13 @@ def standby_rollback(client, sb: DockerSandbox, ck) -> tuple[DockerSandbox, floa
     return promoted, st.prepare_s or 0.0, elapsed
 
 
-def fork_all(client, ck, n: int, share: bool = True) -> float:
+def fork_all(client, ck, n: int, share: bool = True, pool: ForkPool | None = None) -> float:
+    waiting = set(pool.container_ids()) if pool is not None else set()
     settle()
     t0 = time.monotonic()
-    forks = fork(ck, n, client=client, share=share)
+    forks = fork(ck, n, client=client, share=share, pool=pool)
     elapsed = time.monotonic() - t0
+    assert not pool or {f.container_id for f in forks} == waiting, "a fork did not start in a pooled container"
     for f in forks:
         assert f.is_alive(), f"fork {f.name} is not running"
         assert (f.shared_lower is not None) == share, f"fork {f.name}: shared {f.shared_lower}, asked {share}"
@@ -206,25 +214,41 @@ def fork_all(client, ck, n: int, share: bool = True) -> float:
     return elapsed
 
 
-def fork_pair(client, ck, n: int, i: int, out: dict) -> None:
-    """``fork`` and ``fork_copied`` of one checkpoint, in alternating order."""
-    for share in ((True, False) if i % 2 == 0 else (False, True)):
-        out["fork" if share else "fork_copied"]["restore_s"].append(fork_all(client, ck, n, share))
+def fork_pooled(client, sb: DockerSandbox, ck, n: int) -> float:
+    """``fork`` into a full pool of ``n`` containers created ahead from ``sb`` (untimed)."""
+    pool = ForkPool(sb, n)
+    try:
+        pool.fill()
+        assert pool.wait_filled(), f"the fork pool did not fill: {pool.error}"
+        return fork_all(client, ck, n, pool=pool)
+    finally:
+        pool.close()
+
+
+def fork_pair(client, sb: DockerSandbox, ck, n: int, i: int, out: dict) -> None:
+    """``fork``, ``fork_copied`` and ``fork_pooled`` of one checkpoint, the order rotating by round."""
+    order = ("fork", "fork_copied", "fork_pooled")
+    for method in order[i % 3:] + order[:i % 3]:
+        took = (fork_pooled(client, sb, ck, n) if method == "fork_pooled" else
+                fork_all(client, ck, n, share=method == "fork"))
+        out[method]["restore_s"].append(took)
 
 
 def run_fork_only(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, fork_n: int,
                   loads: list) -> dict:
     sb = bench_sandbox(client, scenario, run_id)
-    out = {"fork": {"restore_s": []}, "fork_copied": {"restore_s": []}, "belayer": {"size_bytes": []}}
+    out = {"fork": {"restore_s": []}, "fork_copied": {"restore_s": []}, "fork_pooled": {"restore_s": []},
+           "belayer": {"size_bytes": []}}
     try:
         for i in range(runs):
             sb.execute(STEP.format(i=i))
             ck = full_checkpoint(sb, store)
             out["belayer"]["size_bytes"].append(ck.size_bytes)
-            fork_pair(client, ck, fork_n, i, out)
+            fork_pair(client, sb, ck, fork_n, i, out)
             loads.append(os.getloadavg())
             print(f"  {scenario} run {i + 1}/{runs}: fork x{fork_n} shared {out['fork']['restore_s'][-1] * 1e3:.0f} ms,"
-                  f" copied {out['fork_copied']['restore_s'][-1] * 1e3:.0f} ms, load {loads[-1][0]:.1f}", flush=True)
+                  f" copied {out['fork_copied']['restore_s'][-1] * 1e3:.0f} ms,"
+                  f" pooled {out['fork_pooled']['restore_s'][-1] * 1e3:.0f} ms, load {loads[-1][0]:.1f}", flush=True)
     finally:
         for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
             fence(client, c["Names"][0].lstrip("/"), background=False)
@@ -299,6 +323,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     out["standby"] = {"prepare_s": [], "restore_s": []}
     out["fork"] = {"restore_s": []}
     out["fork_copied"] = {"restore_s": []}
+    out["fork_pooled"] = {"restore_s": []}
     images: list[str] = []
     try:
         for i in range(runs):
@@ -342,7 +367,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             out["standby"]["prepare_s"].append(prepare_s)
             out["standby"]["restore_s"].append(rollback_s)
             if fork_n:
-                fork_pair(client, ck, fork_n, i, out)
+                fork_pair(client, sb, ck, fork_n, i, out)
             settle()
             out["cold"]["restore_s"].append(cold_start(client, sb.config))
             loads.append(os.getloadavg())

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import docker
 
@@ -54,6 +54,9 @@ from belayer_env.fence import remove, remove_quietly
 from belayer_env.ownership import SANDBOX_NAME
 from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.sandbox import DockerSandbox, create_container
+
+if TYPE_CHECKING:
+    from belayer_env import fork_pool
 
 RESTORE_NAME = "belayer"  # Docker's checkpoint name inside the new container's directory
 RUNNING_TIMEOUT_S = 30.0
@@ -70,7 +73,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                  use_staged: bool = True, images: Images | None = None,
                  shared: shared_layer.SharedLower | None = None,
                  verified_images: Path | concurrent.futures.Future[Path] | None = None,
-                 fence_first: bool = True) -> DockerSandbox:
+                 fence_first: bool = True, precreated: fork_pool.Slot | None = None) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
@@ -84,6 +87,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     verified against this manifest (``fork``: once for all forks); hardlinked, not hashed again.
     ``fence_first=False``: no container can hold ``name`` (``fork``'s generated names, a
     random suffix each), so none is listed and killed first (if one did, taking the name fails).
+    ``precreated``: a pooled container (``fork_pool``) created for sandbox ``name`` with this
+    checkpoint's image and settings, used instead of a create (with ``shared`` only).
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -91,6 +96,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     hook = phase_hook or no_hook
     ck = checkpoint
     target = name or ck.sandbox
+    if precreated is not None and (shared is None or precreated.target != target):
+        raise UsageError("a pooled container serves a shared fork, under the name it was created for")
     try:
         data, digest = read_manifest_digest(Path(ck.path))
     except ValueError as e:
@@ -143,7 +150,11 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         linking = (Background(runtime_images.link_into, link_dir)
                    if runtime_images is not None and via == "linked" else None)
         try:
-            cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
+            if precreated is not None:
+                cid, info = precreated.container_id, precreated.inspect
+                _attach_precreated(client, cid, info, shared, precreated.alias)
+            else:
+                cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
             hook(Phase.CREATED)
             if fs is not None:
                 layer_fs = layer.upper_dir(info)
@@ -400,6 +411,17 @@ def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], n
             remove_quietly(client, container.id)
             raise
     return container.id, info
+
+
+def _attach_precreated(client: docker.DockerClient, cid: str, info: dict[str, Any],
+                       shared: shared_layer.SharedLower, alias: str) -> None:
+    """A pooled container onto the shared layer: its alias names the copy, then its lowers."""
+    try:
+        shared_layer.make_alias(shared, alias)
+        shared.attach(info)
+    except BaseException:
+        remove_quietly(client, cid)
+        raise
 
 
 def _result(src: Path | concurrent.futures.Future[Path]) -> Path:

@@ -78,6 +78,8 @@ READY = "ready"
 ENTRIES = "entries"
 LINK_FILE = "link"
 IN_MEMORY = "in-memory"
+ALIAS_PREFIX = "alias-"
+"""A pooled fork's label names an alias (``belayer_env.fork_pool``): a symlink to the copy."""
 """Marker: ``diff`` is a tmpfs of its own (``in_memory.memory_cap``); ready only while it is mounted."""
 _creating = threading.Lock()
 _unshareable: set[str] = set()
@@ -134,6 +136,23 @@ class SharedLower:
         tmp.write_text(f"{entry}:{old}" if old else entry)
         os.chmod(tmp, 0o644)
         os.replace(tmp, lower_file)
+
+
+def make_alias(shared: SharedLower, alias: str) -> None:
+    """Make ``alias`` (a pooled fork's label) name ``shared``: a relative symlink beside it.
+    Made while the fork holds the copy's lease, so ``sweep`` sees it before it may judge
+    the copy unused."""
+    if not alias.startswith(ALIAS_PREFIX) or "/" in alias:
+        raise layer.LayerError(f"{alias!r} is not a fork pool's alias")
+    path = shared.root.parent / alias
+    tmp = shared.root.parent / f".new-alias-{uuid.uuid4().hex[:8]}~{owner_tag()}"
+    os.symlink(shared.root.name, tmp)
+    os.replace(tmp, path)
+
+
+def _aliases_of(base: Path, name: str) -> list[str]:
+    return [p.name for p in base.iterdir() if p.name.startswith(ALIAS_PREFIX) and p.is_symlink()
+            and os.readlink(p) == name]
 
 
 def lowers_root(docker_root: str | Path) -> Path:
@@ -333,7 +352,16 @@ def sweep(client: docker.DockerClient, docker_root: str | Path, *, dry_run: bool
         if root.name.startswith(".new-"):
             if not owner_alive(root.name):
                 if not dry_run:
-                    _rmtree(root)
+                    if root.is_symlink():
+                        root.unlink(missing_ok=True)
+                    else:
+                        _rmtree(root)
+                removed.append(root.name)
+            continue
+        if root.is_symlink():  # an alias: gone with the last container labelled with it
+            if root.name.startswith(ALIAS_PREFIX) and not _users(client, root.name):
+                if not dry_run:
+                    root.unlink(missing_ok=True)
                 removed.append(root.name)
             continue
         fd = _open_dir(root)
@@ -346,9 +374,8 @@ def sweep(client: docker.DockerClient, docker_root: str | Path, *, dry_run: bool
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     continue  # a fork is being made from it
                 raise
-            with translate_errors("list the forks of a shared layer"):
-                users = client.api.containers(all=True, filters={"label": f"{LABEL}={root.name}"})
-            if users:
+            # under the lock: an alias made by a fork in flight exists by now (``make_alias``)
+            if any(_users(client, name) for name in (root.name, *_aliases_of(base, root.name))):
                 continue
             if not dry_run:
                 _remove(root)
@@ -363,6 +390,11 @@ def sweep(client: docker.DockerClient, docker_root: str | Path, *, dry_run: bool
             if link.is_symlink() and not link.exists():  # its copy is gone (a killed sweep)
                 link.unlink(missing_ok=True)
     return removed
+
+
+def _users(client: docker.DockerClient, name: str) -> list[dict[str, Any]]:
+    with translate_errors("list the forks of a shared layer"):
+        return client.api.containers(all=True, filters={"label": f"{LABEL}={name}"})
 
 
 def _remove(root: Path) -> None:

@@ -34,7 +34,8 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         run_id = result["host"]["run_id"]
         idle = result["scenarios"]["idle"]
         assert {m for m in idle if m not in ("raw", "belayer_detail")} == {
-            "belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "fork_copied", "docker", "cold"}
+            "belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "fork_copied", "fork_pooled",
+            "docker", "cold"}
         assert idle["belayer_detail"], "the incremental capture's breakdown is reported"
         assert idle["fork"]["restore_s"]["n"] == 1 and idle["standby"]["restore_s"]["n"] == 1
         assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})
@@ -43,7 +44,29 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         owner = result["host"]["owner"]  # containerd's copies of its restores (it never removes them)
         assert not [d for d, nonce in ctrd_copies.copies() if nonce.endswith(f"~{owner}")]
         lowers = shared_layer.lowers_root(prestaging.docker_root(docker_client))
-        assert not [p for p in (lowers.iterdir() if lowers.is_dir() else ()) if run_id in p.name]  # fork's shared layers
+        assert not [p for p in (lowers.iterdir() if lowers.is_dir() else ())
+                    if run_id in p.name or p.name.endswith(f"~{owner}")]  # fork's shared layers, the pool's aliases
+
+
+def test_restore_ab_compares_both_extractions_and_puts_the_switch_back(tmp_path, docker_client):
+    from belayer_env.checkpoint import fast_tar, runtime
+
+    if why := runtime.available():
+        pytest.skip(f"CRIU checkpoints unavailable: {why}")
+    off_before = fast_tar.RESTORE_OFF.exists()
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_ab.py"), "--runs", "2",
+                           "--scenarios", "idle", "--fork-n", "2", "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    idle = json.loads(out.read_text())["scenarios"]["idle"]
+    for variant in ("default", "tuned"):
+        assert idle[variant]["restore_s"]["n"] == 2 and idle[variant]["fork_s"]["n"] == 2
+    # the last round's restore logs: the helper filled every tmpfs of the tuned restore, none of the other
+    assert idle["raw"]["tuned"]["tmpfs_in_process"] >= 4 and idle["raw"]["default"]["tmpfs_in_process"] == 0
+    assert fast_tar.RESTORE_OFF.exists() == off_before
+    run_id = json.loads(out.read_text())["host"]["run_id"]
+    assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})
 
 
 def test_scratch_ab_measures_both_scratch_kinds_and_cleans_up(tmp_path, docker_client):

@@ -1,0 +1,159 @@
+"""``ForkPool``: fork containers created ahead, so that ``fork(ck, n)`` only starts them.
+
+Where the time of ``fork(ck, 8)`` went on the 2-core VM (docs/checkpoint.md, "Fork"):
+Docker's creates with their disk caps (mkfs + loop mount), ~0.4 s of CPU for eight, then
+the eight starts from the checkpoint. A pool creates those containers in the background
+(one at a time, while the agent's LLM generates) from the sandbox's exact image, settings
+and network mode; ``fork(ck, n, pool=pool)`` takes one per fork whose checkpoint was taken
+of a container made the same way (anything else is created then, as without a pool).
+
+A pooled container is a sandbox like any other from its creation: named
+``<fork name>-restoring-<id>``, labelled with its fork name and this process as owner (so
+``belayer gc`` reaps it if this process dies), fenced and removed by ``close``. Its
+shared-lower label (``checkpoint.shared_layer``) names an alias, made only when a fork
+takes it: a symlink beside the checkpoint's shared copy that ``sweep`` counts as a use
+of the copy while a container carries the alias, and removes after. A pooled container
+serves only a shared fork (a fork with a copy of its own needs no shared-lower label).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import docker
+
+from belayer.errors import BelayerError, UsageError
+from belayer_env.checkpoint import shared_layer
+from belayer_env.checkpoint.store import owner_tag
+from belayer_env.config import SandboxConfig
+from belayer_env.docker_api import translate_errors
+from belayer_env.fence import remove_quietly
+from belayer_env.ownership import SANDBOX_NAME
+from belayer_env.sandbox import DockerSandbox, create_container
+
+MAX_POOL = 64
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One created (not started) container waiting for a fork."""
+
+    container_id: str
+    inspect: dict[str, Any]
+    target: str
+    """The fork's sandbox name (its label since creation; the container takes it at start)."""
+    alias: str
+    """Its shared-lower label: the alias made for it when a fork takes it."""
+
+
+class ForkPool:
+    """Up to ``size`` fork containers for checkpoints of containers like ``sandbox``'s."""
+
+    def __init__(self, sandbox: DockerSandbox, size: int, *, new_name: Callable[[], str] | None = None):
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_POOL:
+            raise UsageError(f"a fork pool's size must be an int in 1..{MAX_POOL}, got {size!r}")
+        self.client: docker.DockerClient = sandbox.client
+        self.size = size
+        self._new_name = new_name or (lambda: f"{sandbox.name}-fork-{uuid.uuid4().hex[:8]}")
+        with translate_errors(f"inspect sandbox {sandbox.name}"):
+            info = self.client.api.inspect_container(sandbox.container_id)
+        self.config: SandboxConfig = sandbox.config.model_copy(update={"image": info["Image"]})
+        self.network_disabled = bool(info["Config"].get("NetworkDisabled"))
+        self._slots: list[Slot] = []
+        self._lock = threading.Lock()
+        self._filler: threading.Thread | None = None
+        self._closed = False
+        self.error: BaseException | None = None
+        """Why the last fill stopped early (None: it did not)."""
+
+    def new_name(self) -> str:
+        """A fresh fork name, as this pool names its containers' sandboxes."""
+        return self._new_name()
+
+    def serves(self, sandbox: DockerSandbox) -> bool:
+        """Whether checkpoints of ``sandbox`` fork into this pool's containers."""
+        with translate_errors(f"inspect sandbox {sandbox.name}"):
+            info = self.client.api.inspect_container(sandbox.container_id)
+        return self.matches(sandbox.config, info["Image"], bool(info["Config"].get("NetworkDisabled")))
+
+    def matches(self, checkpoint_config: SandboxConfig, image_id: str | None, network_disabled: bool) -> bool:
+        """Whether a checkpoint with these settings restores into this pool's containers."""
+        return (image_id == self.config.image and network_disabled == self.network_disabled
+                and checkpoint_config.model_copy(update={"image": image_id}) == self.config)
+
+    def fill(self) -> None:
+        """Top the pool up to ``size`` on a background thread (no-op while one runs)."""
+        with self._lock:
+            if self._closed or (self._filler is not None and self._filler.is_alive()):
+                return
+            self.error = None
+            self._filler = threading.Thread(target=self._fill, daemon=True, name="belayer-fork-pool")
+            self._filler.start()
+
+    def wait_filled(self, timeout: float = 120.0) -> bool:
+        """Wait (bounded) for the running fill; True when the pool holds ``size`` containers."""
+        filler = self._filler
+        if filler is not None:
+            filler.join(timeout)
+        return len(self) == self.size
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._slots)
+
+    def container_ids(self) -> list[str]:
+        with self._lock:
+            return [s.container_id for s in self._slots]
+
+    def take(self, n: int) -> list[Slot]:
+        """Up to ``n`` containers, now the caller's (a fork starts or removes each)."""
+        with self._lock:
+            taken, self._slots = self._slots[:n], self._slots[n:]
+        return taken
+
+    def close(self) -> None:
+        """Stop filling and remove every container still waiting."""
+        with self._lock:
+            self._closed = True
+            filler = self._filler
+        if filler is not None:
+            filler.join()
+        for slot in self.take(MAX_POOL):
+            remove_quietly(self.client, slot.container_id)
+
+    def _fill(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or len(self._slots) >= self.size:
+                    return
+            try:
+                slot = self._create()
+            except (BelayerError, docker.errors.DockerException, OSError) as e:
+                self.error = e
+                return
+            with self._lock:
+                if not self._closed:
+                    self._slots.append(slot)
+                    continue
+            remove_quietly(self.client, slot.container_id)
+            return
+
+    def _create(self) -> Slot:
+        target = self.new_name()
+        alias = f"{shared_layer.ALIAS_PREFIX}{uuid.uuid4().hex[:12]}~{owner_tag()}"
+        container = create_container(self.client, self.config, f"{target}-restoring-{uuid.uuid4().hex[:8]}",
+                                     labels={SANDBOX_NAME: target, shared_layer.LABEL: alias},
+                                     network_disabled=self.network_disabled)
+        return Slot(container.id, container.attrs, target, alias)
+
+
+def discard(client: docker.DockerClient, slots: list[Slot]) -> None:
+    """Remove pooled containers a fork took and did not use."""
+    for slot in slots:
+        with contextlib.suppress(Exception):
+            remove_quietly(client, slot.container_id)

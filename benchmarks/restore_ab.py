@@ -1,0 +1,171 @@
+"""Restores and forks with CRIU's tmpfs extraction in-process vs GNU tar, side by side.
+
+CRIU refills every tmpfs of a restored sandbox with ``tar --extract --gzip``; with
+``belayer_env/checkpoint/fast_tar.py``'s helper first in dockerd's PATH (``bash
+scripts/setup.sh`` starts dockerd so) that runs in-process. ``default``: GNU tar (the
+helper's ``restore-off`` file present, so it hands every archive over), ``tuned``: the
+helper. Each round: an agent-like step, one capture, then per variant (alternating order)
+one ``full_restore`` (not pre-staged) and one ``fork(ck, n)``, each timed end to end and
+fenced after. The restore logs of the last round are checked: every tmpfs of a ``tuned``
+restore said it was extracted in-process, none of a ``default`` one.
+
+    python3 benchmarks/restore_ab.py --runs 8 --scenarios idle,heavy --fork-n 8
+Writes benchmarks/results/restore_ab.json and .png; Docker + CRIU, root, dockerd started by set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _plotting import pyplot, save_result  # noqa: E402
+from checkpoint_bench import STEP, bench_sandbox, settle, summarize, sweep_shared_layers  # noqa: E402
+
+from belayer_env.checkpoint import (  # noqa: E402
+    CheckpointStore,
+    fast_tar,
+    full_checkpoint,
+    full_restore,
+    prestaging,
+)
+from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.fence import fence  # noqa: E402
+from belayer_env.forking import fork  # noqa: E402
+
+VARIANTS = ("default", "tuned")
+METRICS = ("restore_s", "fork_s")
+
+
+def use_helper(on: bool) -> None:
+    if on:
+        fast_tar.RESTORE_OFF.unlink(missing_ok=True)
+    else:
+        fast_tar.RESTORE_OFF.touch()
+
+
+def in_process_count(client, cid: str) -> int:
+    log = (Path(prestaging.docker_root(client)) / "containerd" / "daemon" / "io.containerd.runtime.v2.task" / "moby"
+           / cid / "restore.log")
+    return log.read_text(errors="replace").count(fast_tar.EXTRACTED)
+
+
+def one_round(client, ck, fork_n: int, order: tuple[str, ...], raw: dict, check: bool) -> None:
+    for variant in order:
+        use_helper(variant == "tuned")
+        settle()
+        t = time.perf_counter()
+        sb = full_restore(ck, client=client, name=f"{ck.sandbox}-r{uuid.uuid4().hex[:6]}", use_staged=False)
+        raw[variant]["restore_s"].append(time.perf_counter() - t)
+        if check:
+            n = in_process_count(client, sb.container_id)
+            assert (n > 0) == (variant == "tuned"), f"{variant}: {n} tmpfs extracted in-process"
+            raw[variant]["tmpfs_in_process"] = n
+        fence(client, sb.name, background=False)
+        settle()
+        t = time.perf_counter()
+        forks = fork(ck, fork_n, client=client)
+        raw[variant]["fork_s"].append(time.perf_counter() - t)
+        for f in forks:
+            fence(client, f.name, background=False)
+
+
+def run(client, scenario: str, runs: int, fork_n: int, run_id: str) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="belayer-restore-ab-", dir="/var/tmp"))
+    store = CheckpointStore(work / "store", keep=2)
+    raw = {v: {m: [] for m in METRICS} for v in VARIANTS}
+    sb = bench_sandbox(client, scenario, run_id)
+    try:
+        for i in range(runs):
+            sb.execute(STEP.format(i=i))
+            ck = full_checkpoint(sb, store)
+            one_round(client, ck, fork_n, VARIANTS if i % 2 == 0 else VARIANTS[::-1], raw, check=i == runs - 1)
+            print(f"  {scenario} round {i + 1}/{runs}: " + ", ".join(
+                f"{v} restore {raw[v]['restore_s'][-1] * 1e3:.0f} ms fork x{fork_n} {raw[v]['fork_s'][-1] * 1e3:.0f} ms"
+                for v in VARIANTS) + f", load {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        sb.close()
+        for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
+            fence(client, c["Names"][0].lstrip("/"), background=False)
+        sweep_shared_layers(client)
+        shutil.rmtree(work, ignore_errors=True)
+    data = {v: {m: summarize(raw[v][m]) for m in METRICS} for v in VARIANTS}
+    for m in METRICS:
+        data[f"ratio_{m}_p50"] = data["tuned"][m]["p50"] / max(data["default"][m]["p50"], 1e-9)
+    data["raw"] = raw
+    return data
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    scenarios = list(result["scenarios"])
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4.2), squeeze=False)
+    for ax, scen in zip(axes[0], scenarios, strict=True):
+        data = result["scenarios"][scen]
+        w = 0.38
+        for j, variant in enumerate(VARIANTS):
+            p50 = [data[variant][m]["p50"] * 1e3 for m in METRICS]
+            p90 = [data[variant][m]["p90"] * 1e3 for m in METRICS]
+            ax.bar([k + j * w for k in range(len(METRICS))], p50, width=w,
+                   label="GNU tar" if variant == "default" else "in-process",
+                   yerr=[[0] * len(p50), [max(b - a, 0) for a, b in zip(p50, p90, strict=True)]], capsize=2)
+        ax.set_xticks([k + w / 2 for k in range(len(METRICS))], ["restore", f"fork x{result['fork_n']}"])
+        ax.set_title(f"{scen}: restore {data['ratio_restore_s_p50']:.2f}x, fork {data['ratio_fork_s_p50']:.2f}x")
+        ax.set_ylabel("ms (bar p50, whisker p90)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=8, help="rounds per scenario (one restore + one fork per variant)")
+    ap.add_argument("--scenarios", default="idle,heavy")
+    ap.add_argument("--fork-n", type=int, default=8)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "restore_ab.json"))
+    args = ap.parse_args()
+    if args.runs < 1 or not 1 <= args.fork_n <= 64:
+        ap.error("--runs must be >= 1 and --fork-n in 1..64")
+    if os.geteuid() != 0:
+        print("restore_ab: needs root (Docker, runc, CRIU)", file=sys.stderr)
+        return 2
+    if not fast_tar.installed() or fast_tar.dockerd_uses_it() is not True:
+        print(f"restore_ab: restores do not run {fast_tar.HELPER} (bash scripts/setup.sh builds it and starts "
+              "dockerd with it first in PATH): nothing to compare", file=sys.stderr)
+        return 2
+    client = connect()
+    run_id = uuid.uuid4().hex[:8]
+    found_off = fast_tar.RESTORE_OFF.exists()
+    result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
+                       "run_id": run_id}, "runs": args.runs, "fork_n": args.fork_n, "scenarios": {}}
+    try:
+        for scen in args.scenarios.split(","):
+            result["scenarios"][scen] = run(client, scen, args.runs, args.fork_n, run_id)
+    finally:
+        with contextlib.suppress(OSError):
+            use_helper(not found_off)
+    result["host"]["loadavg_end"] = os.getloadavg()
+    path = save_result(result, args.out, plot)
+    for scen, data in result["scenarios"].items():
+        print(f"{scen}: " + "; ".join(
+            f"{v}: restore p50 {data[v]['restore_s']['p50'] * 1e3:.0f} ms p90 {data[v]['restore_s']['p90'] * 1e3:.0f}, "
+            f"fork p50 {data[v]['fork_s']['p50'] * 1e3:.0f} ms p90 {data[v]['fork_s']['p90'] * 1e3:.0f}"
+            for v in VARIANTS) + f"; restore {data['ratio_restore_s_p50']:.2f}x, fork {data['ratio_fork_s_p50']:.2f}x")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
