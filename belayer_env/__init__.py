@@ -21,6 +21,7 @@ _LAZY = {
     "full_restore": "belayer_env.checkpoint",
     "fence": "belayer_env.fence",
     "fork": "belayer_env.forking",
+    "ForkPool": "belayer_env.fork_pool",
     "Phase": "belayer_env.phases",
     "RecoverableSandboxEnv": "belayer_env.env",
     "Sandbox": "belayer_env.protocol",
