@@ -105,7 +105,7 @@ def check_loopback_hook() -> Check:
 
     ok = loopback.installed()
     return Check("criu loopback hook", ok,
-                 f"{loopback.HOOK_PATH} listed in {loopback.RUNC_CRIU_CONF}" if ok else
+                 f"{loopback.HOOK_PATH} ({loopback.hook_kind()}) listed in {loopback.RUNC_CRIU_CONF}" if ok else
                  "not installed: sandboxes keep Docker's network stack (~0.1 s more per start and restore)",
                  f"run `{SETUP}`", required=False)
 

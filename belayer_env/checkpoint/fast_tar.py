@@ -40,11 +40,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from belayer_env.native import NATIVE, BuildError, compile_static
+
 DIR = Path("/usr/local/libexec/belayer-criu-tar")
 HELPER = DIR / "tar"
 RESTORE_OFF = DIR / "restore-off"
 """While this file exists the helper hands every extraction to GNU tar (dumps: ``runtime.FAST_TAR``)."""
-NATIVE = Path(__file__).resolve().parents[2] / "scripts" / "native"
 SOURCES = (NATIVE / "criu_tar.c", NATIVE / "criu_untar.c")
 CRIU_ARGS = ("--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system", "--check-links",
              "--preserve-permissions", "--sparse", "--numeric-owner", "--directory", "/proc/self/fd/0", ".")
@@ -53,10 +54,6 @@ EXTRACT_ARGS = ("--extract", "--gzip", "--no-unquote", "--no-wildcards", "--dire
 """What CRIU 4.x runs to restore one (``tmpfs_restore``), then the mount; the image on stdin."""
 EXTRACTED = "belayer-criu-tar: extracted "
 """How the helper's in-process extraction starts its line in CRIU's restore log."""
-
-
-class BuildError(RuntimeError):
-    """The helper could not be built or does not write what the host's tar writes."""
 
 
 def installed() -> bool:
@@ -94,14 +91,7 @@ def real_tar() -> str:
 
 def build(out: Path, tar: str | None = None, sources: tuple[Path, ...] = SOURCES) -> None:
     """Compile the helper (static, zlib) into ``out``; it hands over to ``tar``."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise BuildError("no gcc (apt-get install build-essential zlib1g-dev)")
-    tar = tar or real_tar()
-    r = subprocess.run([gcc, "-O2", "-Wall", "-static", f'-DREAL_TAR="{tar}"', "-o", str(out), *map(str, sources),
-                        "-lz"], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise BuildError(f"gcc failed on {', '.join(s.name for s in sources)}: {r.stderr.strip()[-400:]}")
+    compile_static(out, sources, defines=[f'REAL_TAR="{tar or real_tar()}"'], libs=["z"])
 
 
 def archive(program: str, root: Path, args: tuple[str, ...] = CRIU_ARGS) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from belayer.errors import RestoreFailed
 from belayer_env import freezer, loopback
 from belayer_env.checkpoint import full_checkpoint, full_restore
 from belayer_env.fence import kill
+from belayer_env.native import BuildError
 
 pytestmark = pytest.mark.skipif(not loopback.installed(), reason="CRIU loopback hook not installed "
                                 "(bash scripts/setup.sh)")
@@ -134,6 +136,30 @@ def test_install_lists_the_hook_once_and_keeps_the_other_lines(tmp_path):
     assert conf.read_text().splitlines() == ["tcp-established", "file-locks", loopback.CONF_LINE]
     assert loopback.installed(conf)
     assert not loopback.installed(tmp_path / "missing.conf")
+
+
+def test_the_installed_hook_is_the_static_one_and_does_its_job(tmp_path):
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc: set-up installs the shell script")
+    assert loopback.hook_kind() == "static", "bash scripts/setup.sh builds the static hook where gcc is"
+    loopback.check_hook(loopback.HOOK_PATH)  # nothing at another stage; lo up at setup-namespaces
+    for action, pid in (("setup-namespaces", "12x"), ("setup-namespaces", str(2**22 + 1))):
+        r = subprocess.run([str(loopback.HOOK_PATH)], env={"CRTOOLS_SCRIPT_ACTION": action, "CRTOOLS_INIT_PID": pid},
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and "belayer-criu-loopback" in r.stderr, (pid, r)
+
+
+@pytest.mark.parametrize("body, why", [("exit 0", "lo is not up"),
+                                       ('exec nsenter --net="/proc/$CRTOOLS_INIT_PID/ns/net" ip link set lo up',
+                                        "did something at another stage")])
+def test_check_hook_refuses_a_hook_that_does_not_do_its_job(tmp_path, body, why):
+    hook = tmp_path / "hook"
+    hook.write_text(f"#!/bin/sh\nPATH=/usr/sbin:/usr/bin:/sbin:/bin\n{body}\n")
+    with pytest.raises(BuildError, match=why):
+        loopback.check_hook(hook)
+    script = tmp_path / "script"
+    script.write_text(loopback.HOOK_SCRIPT)
+    loopback.check_hook(script)  # the fallback does its job too
 
 
 def test_fence_kills_through_the_kernel_and_leaves_no_process(make_sandbox):
