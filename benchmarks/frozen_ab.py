@@ -14,6 +14,9 @@ own mounts), ``tuned``: the yard, as every dump now has.
 unless ``belayer_env/checkpoint/fast_tar.py``'s helper comes first in its PATH;
 ``default``: GNU tar, ``tuned``: the helper, as every dump now has when set-up built it.
 
+``--knob loopback-hook``: CRIU runs ``/etc/criu/runc.conf``'s action script at every stage
+(``belayer_env/loopback.py``); ``default``: the shell script, ``tuned``: the static hook.
+
 One sandbox (``idle`` or ``heavy``, as in checkpoint_bench.py), one store; rounds as in
 ``_capture_ab.py`` (one capture per variant each, in alternating order).
 
@@ -39,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _capture_ab import Variant, parse_args, plot_ab, print_ab, run_rounds, summarize_ab  # noqa: E402
 from _plotting import save_result  # noqa: E402
+from restore_ab import hook_knob  # noqa: E402
 
-from belayer_env import conntrack  # noqa: E402
+from belayer_env import conntrack, loopback  # noqa: E402
 from belayer_env.checkpoint import cgroup_yard, fast_tar, runtime  # noqa: E402
 from belayer_env.checkpoint.store import CheckpointStore  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
@@ -94,7 +98,14 @@ def fast_tar_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable
     return switch_variants("FAST_TAR")
 
 
-KNOBS = {"conntrack": conntrack_knob, "cgroup-yard": yard_knob, "fast-tar": fast_tar_knob}
+def loopback_hook_knob(result: dict) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    use, put_back = hook_knob()  # CRIU runs it at four stages of every dump, three inside the freeze
+    result["knob_detail"] = {"hook": str(loopback.HOOK_PATH)}
+    return {"default": partial(use, False), "tuned": partial(use, True)}, put_back
+
+
+KNOBS = {"conntrack": conntrack_knob, "cgroup-yard": yard_knob, "fast-tar": fast_tar_knob,
+         "loopback-hook": loopback_hook_knob}
 
 
 def main() -> int:

@@ -1,22 +1,27 @@
-"""Restores and forks with CRIU's tmpfs extraction in-process vs GNU tar, side by side.
+"""Restores and forks with one of Belayer's restore-side cuts and without it, side by side.
 
-CRIU refills every tmpfs of a restored sandbox with ``tar --extract --gzip``; with
-``belayer_env/checkpoint/fast_tar.py``'s helper first in dockerd's PATH (``bash
-scripts/setup.sh`` starts dockerd so) that runs in-process. ``default``: GNU tar (the
-helper's ``restore-off`` file present, so it hands every archive over), ``tuned``: the
-helper. Each round: an agent-like step, one capture, then per variant (alternating order)
-one ``full_restore`` (not pre-staged) and one ``fork(ck, n)``, each timed end to end and
-fenced after. The restore logs of the last round are checked: every tmpfs of a ``tuned``
-restore said it was extracted in-process, none of a ``default`` one.
+``--knob tmpfs-tar``: CRIU refills every tmpfs of a restored sandbox with ``tar --extract
+--gzip``; with ``belayer_env/checkpoint/fast_tar.py``'s helper first in dockerd's PATH
+(``bash scripts/setup.sh`` starts dockerd so) that runs in-process. ``default``: GNU tar
+(the helper's ``restore-off`` file present, so it hands every archive over), ``tuned``: the
+helper. The restore logs of the last round are checked: every tmpfs of a ``tuned`` restore
+said it was extracted in-process, none of a ``default`` one.
 
-    python3 benchmarks/restore_ab.py --runs 8 --scenarios idle,heavy --fork-n 8
-Writes benchmarks/results/restore_ab.json and .png; Docker + CRIU, root, dockerd started by set-up.
+``--knob loopback-hook``: CRIU runs the action script of ``/etc/criu/runc.conf`` at every
+stage (``belayer_env/loopback.py``); ``default``: the shell script, ``tuned``: the static
+hook set-up builds (swapped in place, atomically, between restores; put back at the end).
+
+Each round: an agent-like step, one capture, then per variant (alternating order) one
+``full_restore`` (not pre-staged) and one ``fork(ck, n)``, each timed end to end and
+fenced after.
+
+    python3 benchmarks/restore_ab.py --knob tmpfs-tar --runs 8 --scenarios idle,heavy --fork-n 8
+Writes benchmarks/results/restore_ab_<knob>.json and .png; Docker + CRIU, root.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import shutil
@@ -24,6 +29,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plotting import pyplot, save_result  # noqa: E402
 from checkpoint_bench import STEP, bench_sandbox, settle, summarize, sweep_shared_layers  # noqa: E402
 
+from belayer_env import loopback  # noqa: E402
 from belayer_env.checkpoint import (  # noqa: E402
     CheckpointStore,
     fast_tar,
@@ -54,15 +62,42 @@ def use_helper(on: bool) -> None:
         fast_tar.RESTORE_OFF.touch()
 
 
+def tmpfs_tar_knob() -> tuple[Callable[[bool], None], Callable[[], None]]:
+    if not fast_tar.installed() or fast_tar.dockerd_uses_it() is not True:
+        raise SystemExit(f"restore_ab: restores do not run {fast_tar.HELPER} (bash scripts/setup.sh builds it and "
+                         "starts dockerd with it first in PATH): nothing to compare")
+    found_off = fast_tar.RESTORE_OFF.exists()
+    return use_helper, partial(use_helper, not found_off)
+
+
+def hook_knob() -> tuple[Callable[[bool], None], Callable[[], None]]:
+    """Swap the installed static hook and the shell script (both do the job) in place."""
+    if loopback.hook_kind() != "static":
+        raise SystemExit(f"restore_ab: {loopback.HOOK_PATH} is not the static hook (bash scripts/setup.sh)")
+    static = loopback.HOOK_PATH.read_bytes()
+
+    def use(on: bool) -> None:
+        tmp = loopback.HOOK_PATH.with_name(f".{loopback.HOOK_PATH.name}.ab")
+        tmp.write_bytes(static if on else loopback.HOOK_SCRIPT.encode())
+        tmp.chmod(0o755)
+        os.replace(tmp, loopback.HOOK_PATH)
+
+    return use, partial(use, True)
+
+
+KNOBS = {"tmpfs-tar": tmpfs_tar_knob, "loopback-hook": hook_knob}
+
+
 def in_process_count(client, cid: str) -> int:
     log = (Path(prestaging.docker_root(client)) / "containerd" / "daemon" / "io.containerd.runtime.v2.task" / "moby"
            / cid / "restore.log")
     return log.read_text(errors="replace").count(fast_tar.EXTRACTED)
 
 
-def one_round(client, ck, fork_n: int, order: tuple[str, ...], raw: dict, check: bool) -> None:
+def one_round(client, ck, fork_n: int, order: tuple[str, ...], raw: dict, check: bool,
+              use: Callable[[bool], None]) -> None:
     for variant in order:
-        use_helper(variant == "tuned")
+        use(variant == "tuned")
         settle()
         t = time.perf_counter()
         sb = full_restore(ck, client=client, name=f"{ck.sandbox}-r{uuid.uuid4().hex[:6]}", use_staged=False)
@@ -80,7 +115,7 @@ def one_round(client, ck, fork_n: int, order: tuple[str, ...], raw: dict, check:
             fence(client, f.name, background=False)
 
 
-def run(client, scenario: str, runs: int, fork_n: int, run_id: str) -> dict:
+def run(client, scenario: str, runs: int, fork_n: int, run_id: str, knob: str, use: Callable[[bool], None]) -> dict:
     work = Path(tempfile.mkdtemp(prefix="belayer-restore-ab-", dir="/var/tmp"))
     store = CheckpointStore(work / "store", keep=2)
     raw = {v: {m: [] for m in METRICS} for v in VARIANTS}
@@ -89,7 +124,8 @@ def run(client, scenario: str, runs: int, fork_n: int, run_id: str) -> dict:
         for i in range(runs):
             sb.execute(STEP.format(i=i))
             ck = full_checkpoint(sb, store)
-            one_round(client, ck, fork_n, VARIANTS if i % 2 == 0 else VARIANTS[::-1], raw, check=i == runs - 1)
+            one_round(client, ck, fork_n, VARIANTS if i % 2 == 0 else VARIANTS[::-1], raw,
+                      check=knob == "tmpfs-tar" and i == runs - 1, use=use)
             print(f"  {scenario} round {i + 1}/{runs}: " + ", ".join(
                 f"{v} restore {raw[v]['restore_s'][-1] * 1e3:.0f} ms fork x{fork_n} {raw[v]['fork_s'][-1] * 1e3:.0f} ms"
                 for v in VARIANTS) + f", load {os.getloadavg()[0]:.1f}", flush=True)
@@ -119,7 +155,7 @@ def plot(result: dict, path: Path) -> None:
             p50 = [data[variant][m]["p50"] * 1e3 for m in METRICS]
             p90 = [data[variant][m]["p90"] * 1e3 for m in METRICS]
             ax.bar([k + j * w for k in range(len(METRICS))], p50, width=w,
-                   label="GNU tar" if variant == "default" else "in-process",
+                   label=f"{result['knob']}: {variant}",
                    yerr=[[0] * len(p50), [max(b - a, 0) for a, b in zip(p50, p90, strict=True)]], capsize=2)
         ax.set_xticks([k + w / 2 for k in range(len(METRICS))], ["restore", f"fork x{result['fork_n']}"])
         ax.set_title(f"{scen}: restore {data['ratio_restore_s_p50']:.2f}x, fork {data['ratio_fork_s_p50']:.2f}x")
@@ -131,33 +167,31 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--knob", required=True, choices=sorted(KNOBS))
     ap.add_argument("--runs", type=int, default=8, help="rounds per scenario (one restore + one fork per variant)")
     ap.add_argument("--scenarios", default="idle,heavy")
     ap.add_argument("--fork-n", type=int, default=8)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "restore_ab.json"))
+    ap.add_argument("--out", help="default: benchmarks/results/restore_ab_<knob>.json")
     args = ap.parse_args()
     if args.runs < 1 or not 1 <= args.fork_n <= 64:
         ap.error("--runs must be >= 1 and --fork-n in 1..64")
     if os.geteuid() != 0:
-        print("restore_ab: needs root (Docker, runc, CRIU)", file=sys.stderr)
+        print("restore_ab: needs root (Docker, runc, CRIU, the knob it flips)", file=sys.stderr)
         return 2
-    if not fast_tar.installed() or fast_tar.dockerd_uses_it() is not True:
-        print(f"restore_ab: restores do not run {fast_tar.HELPER} (bash scripts/setup.sh builds it and starts "
-              "dockerd with it first in PATH): nothing to compare", file=sys.stderr)
-        return 2
+    out = args.out or str(Path(__file__).parent / "results" / f"restore_ab_{args.knob.replace('-', '_')}.json")
+    use, put_back = KNOBS[args.knob]()
     client = connect()
     run_id = uuid.uuid4().hex[:8]
-    found_off = fast_tar.RESTORE_OFF.exists()
     result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
-                       "run_id": run_id}, "runs": args.runs, "fork_n": args.fork_n, "scenarios": {}}
+                       "run_id": run_id}, "knob": args.knob, "runs": args.runs, "fork_n": args.fork_n,
+              "scenarios": {}}
     try:
         for scen in args.scenarios.split(","):
-            result["scenarios"][scen] = run(client, scen, args.runs, args.fork_n, run_id)
+            result["scenarios"][scen] = run(client, scen, args.runs, args.fork_n, run_id, args.knob, use)
     finally:
-        with contextlib.suppress(OSError):
-            use_helper(not found_off)
+        put_back()
     result["host"]["loadavg_end"] = os.getloadavg()
-    path = save_result(result, args.out, plot)
+    path = save_result(result, out, plot)
     for scen, data in result["scenarios"].items():
         print(f"{scen}: " + "; ".join(
             f"{v}: restore p50 {data[v]['restore_s']['p50'] * 1e3:.0f} ms p90 {data[v]['restore_s']['p90'] * 1e3:.0f}, "

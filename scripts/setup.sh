@@ -206,6 +206,14 @@ else
   fi
 fi
 
+# ---------------------------- build tools for the static helpers CRIU runs (scripts/native/)
+step "build tools (gcc, zlib: the static CRIU helpers below)"
+if command -v gcc >/dev/null && [ "$(gcc -print-file-name=libz.a)" != libz.a ] && [ -f /usr/include/zlib.h ]; then
+  info "gcc and zlib present"
+else
+  apt_install build-essential zlib1g-dev
+fi
+
 # ------------------------------------------- CRIU loopback hook (belayer_env/loopback.py)
 step "CRIU loopback hook (sandboxes start without Docker's network stack)"
 command -v ip >/dev/null || apt_install iproute2
@@ -221,8 +229,6 @@ info "$ct_out"
 
 # ------------------------- CRIU's tmpfs tar (belayer_env/checkpoint/fast_tar.py: frozen time)
 step "CRIU's tmpfs tar (six tar + gzip runs inside every checkpoint's freeze and every restore, made in-process)"
-{ command -v gcc >/dev/null && [ "$(gcc -print-file-name=libz.a)" != libz.a ] && [ -f /usr/include/zlib.h ]; } \
-  || apt_install build-essential zlib1g-dev
 tar_out=$("$PY" "$ROOT/belayer_env/checkpoint/fast_tar.py") || die "could not build CRIU's tmpfs tar"
 info "$tar_out"
 

@@ -55,7 +55,7 @@ def test_restore_ab_compares_both_extractions_and_puts_the_switch_back(tmp_path,
         pytest.skip(f"CRIU checkpoints unavailable: {why}")
     off_before = fast_tar.RESTORE_OFF.exists()
     out = tmp_path / "ab.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_ab.py"), "--runs", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_ab.py"), "--knob", "tmpfs-tar", "--runs", "2",
                            "--scenarios", "idle", "--fork-n", "2", "--out", str(out)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
