@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from _plotting import pyplot
+from _plotting import plot_pairs
 from checkpoint_bench import STEP, bench_sandbox, settle, summarize
 
 from belayer_env.checkpoint import full_checkpoint
@@ -94,22 +94,6 @@ def print_ab(result: dict, baseline: str, candidate: str) -> None:
 
 def plot_ab(result: dict, path: Path, variants: tuple[str, str], label: str) -> None:
     """Bars per metric (p50, whisker to p90), one pair per scenario; ``label`` names the knob."""
-    plt = pyplot()
-    if plt is None:
-        return
-    scenarios = list(result["scenarios"])
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4.2), squeeze=False)
-    for ax, scen in zip(axes[0], scenarios, strict=True):
-        data = result["scenarios"][scen]
-        w = 0.38
-        for j, variant in enumerate(variants):
-            p50 = [data[variant][m]["p50"] * 1e3 for m in METRICS]
-            p90 = [data[variant][m]["p90"] * 1e3 for m in METRICS]
-            ax.bar([k + j * w for k in range(len(METRICS))], p50, width=w, label=f"{label}: {variant}",
-                   yerr=[[0] * len(p50), [max(b - a, 0) for a, b in zip(p50, p90, strict=True)]], capsize=2)
-        ax.set_xticks([k + w / 2 for k in range(len(METRICS))], METRICS)
-        ax.set_title(f"{scen}: frozen {data['ratio_frozen_p50']:.2f}x, CRIU frozen {data['ratio_criu_frozen_p50']:.2f}x")
-        ax.set_ylabel("ms (bar p50, whisker p90)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_pairs(result, path, variants, label, METRICS, list(METRICS),
+               lambda scen, data: f"{scen}: frozen {data['ratio_frozen_p50']:.2f}x, "
+                                  f"CRIU frozen {data['ratio_criu_frozen_p50']:.2f}x")

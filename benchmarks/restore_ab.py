@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _plotting import pyplot, save_result  # noqa: E402
+from _plotting import plot_pairs, save_result  # noqa: E402
 from checkpoint_bench import STEP, bench_sandbox, settle, summarize, sweep_shared_layers  # noqa: E402
 
 from belayer_env import loopback  # noqa: E402
@@ -143,26 +143,9 @@ def run(client, scenario: str, runs: int, fork_n: int, run_id: str, knob: str, u
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    scenarios = list(result["scenarios"])
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4.2), squeeze=False)
-    for ax, scen in zip(axes[0], scenarios, strict=True):
-        data = result["scenarios"][scen]
-        w = 0.38
-        for j, variant in enumerate(VARIANTS):
-            p50 = [data[variant][m]["p50"] * 1e3 for m in METRICS]
-            p90 = [data[variant][m]["p90"] * 1e3 for m in METRICS]
-            ax.bar([k + j * w for k in range(len(METRICS))], p50, width=w,
-                   label=f"{result['knob']}: {variant}",
-                   yerr=[[0] * len(p50), [max(b - a, 0) for a, b in zip(p50, p90, strict=True)]], capsize=2)
-        ax.set_xticks([k + w / 2 for k in range(len(METRICS))], ["restore", f"fork x{result['fork_n']}"])
-        ax.set_title(f"{scen}: restore {data['ratio_restore_s_p50']:.2f}x, fork {data['ratio_fork_s_p50']:.2f}x")
-        ax.set_ylabel("ms (bar p50, whisker p90)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_pairs(result, path, VARIANTS, result["knob"], METRICS, ["restore", f"fork x{result['fork_n']}"],
+               lambda scen, data: f"{scen}: restore {data['ratio_restore_s_p50']:.2f}x, "
+                                  f"fork {data['ratio_fork_s_p50']:.2f}x")
 
 
 def main() -> int:

@@ -91,12 +91,18 @@ def _random_tree(root: Path, rnd: random.Random) -> None:
             os.utime(path, (rnd.randint(0, 2**32),) * 2, follow_symlinks=False)
 
 
-def test_random_trees_come_out_as_gnu_tar_writes_them(helper, tmpfs):
-    rnd = random.Random(15)
-    for i in range(25):
+def _random_trees(tmpfs: Path, seed: int, n: int = 25):
+    """``n`` random trees (``_random_tree``) under ``tmpfs``, one at a time: (index, root)."""
+    rnd = random.Random(seed)
+    for i in range(n):
         root = tmpfs / f"t{i}"
         root.mkdir()
         _random_tree(root, rnd)
+        yield i, root
+
+
+def test_random_trees_come_out_as_gnu_tar_writes_them(helper, tmpfs):
+    for i, root in _random_trees(tmpfs, 15):
         ours = fast_tar.archive(str(helper), root)
         assert fast_tar.took_fast_path(ours), f"tree {i} went to GNU tar"
         assert gzip.decompress(ours) == gzip.decompress(fast_tar.archive(fast_tar.real_tar(), root)), f"tree {i}"
@@ -181,11 +187,7 @@ def _both(helper: Path, gz: bytes, base: Path, prepare=None, stdin_pipe: bool = 
 
 
 def test_random_archives_extract_as_gnu_tar_extracts_them(helper, tmpfs):
-    rnd = random.Random(16)
-    for i in range(25):
-        root = tmpfs / f"t{i}"
-        root.mkdir()
-        _random_tree(root, rnd)
+    for i, root in _random_trees(tmpfs, 16):
         gz = fast_tar.archive(str(helper), root)
         work = tmpfs / f"x{i}"
         work.mkdir()
