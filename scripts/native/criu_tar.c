@@ -18,8 +18,9 @@
  * (REAL_TAR) before a byte is written, with the same arguments and descriptors. Once
  * writing has begun, any surprise (a file that changed size under it) fails the dump:
  * CRIU then resumes the container and reports the dump failed; a wrong archive is never
- * written. The runtime puts this program first in PATH for dumps only
- * (belayer_env/checkpoint/runtime.py, BELAYER_CRIU_FAST_TAR).
+ * written. The runtime puts this program first in PATH for its dumps
+ * (belayer_env/checkpoint/runtime.py, BELAYER_CRIU_FAST_TAR), set-up first in dockerd's,
+ * whose CRIU restores run it to extract (criu_untar.c, dispatched from main below).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
