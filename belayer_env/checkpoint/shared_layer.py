@@ -78,9 +78,9 @@ READY = "ready"
 ENTRIES = "entries"
 LINK_FILE = "link"
 IN_MEMORY = "in-memory"
+"""Marker: ``diff`` is a tmpfs of its own (``in_memory.memory_cap``); ready only while it is mounted."""
 ALIAS_PREFIX = "alias-"
 """A pooled fork's label names an alias (``belayer_env.fork_pool``): a symlink to the copy."""
-"""Marker: ``diff`` is a tmpfs of its own (``in_memory.memory_cap``); ready only while it is mounted."""
 _creating = threading.Lock()
 _unshareable: set[str] = set()
 """Names of layers this process found hardlinked files in: not unpacked again to learn it."""
