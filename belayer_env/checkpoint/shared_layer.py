@@ -21,11 +21,13 @@ layer's unpacked size in host memory while a fork uses it.
 
 Lifetime: the copy lives in ``<docker root>/belayer-lowers/<name>`` (not the store: its
 retention may delete the checkpoint), its link is ``overlay2/l/<link>``; every fork is
-labelled ``belayer.shared-lower=<name>``. It is never written once ready; an in-memory
+labelled ``belayer.shared-lower=<name>`` (a fork started in a container created ahead,
+``belayer_env.fork_pool``, carries an alias instead: ``alias-...``, a symlink beside the copy,
+made when the fork takes that container). It is never written once ready; an in-memory
 one is ready only while its tmpfs is mounted (not after a reboot: a capture of such a
 fork then fails, as for a swept copy). ``sweep`` (``belayer gc``, and every ``fork``)
 unmounts and removes a copy and its link when no container, in any state, carries its
-label and no fork is being made from it (a fork holds a shared ``flock`` on the copy's
+label or an alias of it and no fork is being made from it (and an alias no container carries) (a fork holds a shared ``flock`` on the copy's
 directory, the maker from before it publishes the copy, a reuser from before it checks
 the copy, until its containers exist; ``sweep`` takes it exclusively, without waiting).
 
