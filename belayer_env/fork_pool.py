@@ -18,7 +18,6 @@ serves only a shared fork (a fork with a copy of its own needs no shared-lower l
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import uuid
 from collections.abc import Callable
@@ -60,10 +59,7 @@ class ForkPool:
         self.client: docker.DockerClient = sandbox.client
         self.size = size
         self._new_name = new_name or (lambda: f"{sandbox.name}-fork-{uuid.uuid4().hex[:8]}")
-        with translate_errors(f"inspect sandbox {sandbox.name}"):
-            info = self.client.api.inspect_container(sandbox.container_id)
-        self.config: SandboxConfig = sandbox.config.model_copy(update={"image": info["Image"]})
-        self.network_disabled = bool(info["Config"].get("NetworkDisabled"))
+        self.config, self.network_disabled = _made_as(sandbox)
         self._slots: list[Slot] = []
         self._lock = threading.Lock()
         self._filler: threading.Thread | None = None
@@ -77,9 +73,7 @@ class ForkPool:
 
     def serves(self, sandbox: DockerSandbox) -> bool:
         """Whether checkpoints of ``sandbox`` fork into this pool's containers."""
-        with translate_errors(f"inspect sandbox {sandbox.name}"):
-            info = self.client.api.inspect_container(sandbox.container_id)
-        return self.matches(sandbox.config, info["Image"], bool(info["Config"].get("NetworkDisabled")))
+        return _made_as(sandbox) == (self.config, self.network_disabled)
 
     def matches(self, checkpoint_config: SandboxConfig, image_id: str | None, network_disabled: bool) -> bool:
         """Whether a checkpoint with these settings restores into this pool's containers."""
@@ -152,8 +146,9 @@ class ForkPool:
         return Slot(container.id, container.attrs, target, alias)
 
 
-def discard(client: docker.DockerClient, slots: list[Slot]) -> None:
-    """Remove pooled containers a fork took and did not use."""
-    for slot in slots:
-        with contextlib.suppress(Exception):
-            remove_quietly(client, slot.container_id)
+def _made_as(sandbox: DockerSandbox) -> tuple[SandboxConfig, bool]:
+    """How ``sandbox``'s container was made: its settings with the image's id, and whether
+    without Docker's network stack (what a checkpoint of it records, and a fork needs)."""
+    with translate_errors(f"inspect sandbox {sandbox.name}"):
+        info = sandbox.client.api.inspect_container(sandbox.container_id)
+    return sandbox.config.model_copy(update={"image": info["Image"]}), bool(info["Config"].get("NetworkDisabled"))

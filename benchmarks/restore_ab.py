@@ -89,8 +89,7 @@ KNOBS = {"tmpfs-tar": tmpfs_tar_knob, "loopback-hook": hook_knob}
 
 
 def in_process_count(client, cid: str) -> int:
-    log = (Path(prestaging.docker_root(client)) / "containerd" / "daemon" / "io.containerd.runtime.v2.task" / "moby"
-           / cid / "restore.log")
+    log = fast_tar.restore_log(prestaging.docker_root(client), cid)
     return log.read_text(errors="replace").count(fast_tar.EXTRACTED)
 
 

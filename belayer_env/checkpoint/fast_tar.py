@@ -124,6 +124,13 @@ def extracted_in_process(log: str) -> bool:
     return log.startswith(EXTRACTED)
 
 
+def restore_log(docker_root: str | Path, container_id: str) -> Path:
+    """CRIU's log of the restore that started ``container_id`` (containerd keeps it while the
+    container exists): one ``EXTRACTED`` line per tmpfs the helper filled."""
+    return (Path(docker_root) / "containerd" / "daemon" / "io.containerd.runtime.v2.task" / "moby" / container_id
+            / "restore.log")
+
+
 def tree_state(root: Path) -> dict[str, tuple]:
     """Everything a restore must reproduce of a tree: per path its type, mode, owner, mtime,
     device, size, link target and content hash (not atime: tar sets it to its start)."""

@@ -328,6 +328,5 @@ def test_a_sandbox_restored_from_its_archives_has_the_same_tmpfs_contents(make_s
     if fast_tar.dockerd_uses_it() is False:
         pytest.fail(f"dockerd's PATH does not start with {fast_tar.DIR}: restores run GNU tar "
                     "(bash scripts/setup.sh restarts a dockerd that holds no container with it)")
-    log = (Path(docker_client.info()["DockerRootDir"]) / "containerd" / "daemon" / "io.containerd.runtime.v2.task"
-           / "moby" / restored.container_id / "restore.log").read_text(errors="replace")
+    log = fast_tar.restore_log(docker_client.info()["DockerRootDir"], restored.container_id).read_text(errors="replace")
     assert log.count(fast_tar.EXTRACTED) == len(images[True]), "CRIU's restore ran GNU tar for some tmpfs"
