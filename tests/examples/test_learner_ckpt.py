@@ -30,12 +30,20 @@ learner = Learner(LearnerConfig(sft_batch=2))
 ids = [list(range(1, 40)), list(range(5, 60))]
 episodes_like = [(i, [(10, len(i))]) for i in ids]
 blocked = threading.Event()
+stdout_lock = threading.Lock()
+
+def tell(*words):
+    # The hook runs on the saver's thread: one locked write per line, or print's separate
+    # writes of words and newline interleave with the main thread's lines.
+    with stdout_lock:
+        sys.stdout.write(" ".join(map(str, words)) + "\n")
+        sys.stdout.flush()
 
 def hook(phase, step):
     if phase == "published":
-        print("PUBLISHED", step, flush=True)
+        tell("PUBLISHED", step)
     if phase == "payload_written" and step == kill_at:
-        print("SAVING", step, flush=True)
+        tell("SAVING", step)
         blocked.wait()          # the save stays interrupted until the parent kills us
 
 ckpt = LearnerCheckpointer(LearnerCheckpointConfig(directory=directory, keep=10), phase_hook=hook)
@@ -45,7 +53,7 @@ for step in range(1, kill_at + 2):
     learner._update(loss, 1e-3)
     learner.step = step
     state = learner.snapshot(note=f"step {step}")
-    print("DIGEST", step, digest(state), flush=True)
+    tell("DIGEST", step, digest(state))
     ckpt.save_async(step, state)
 ckpt.wait()
 """
