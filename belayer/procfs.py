@@ -76,6 +76,9 @@ def session_members(sid: int) -> list[int]:
     return [p.pid for p in processes() if p.session == sid]
 
 
+_CURRENT: dict[int, OwnerId] = {}  # ``OwnerId.current`` (read from /proc once, not per temp dir named)
+
+
 @dataclass(frozen=True)
 class OwnerId:
     """A process, named so that pid reuse cannot impersonate it."""
@@ -85,8 +88,10 @@ class OwnerId:
 
     @classmethod
     def current(cls) -> OwnerId:
-        pid = os.getpid()
-        return cls(pid, process_start_time(pid) or 0)
+        pid = os.getpid()  # remembered per pid: a forked child is another owner
+        if (known := _CURRENT.get(pid)) is None:
+            known = _CURRENT.setdefault(pid, cls(pid, process_start_time(pid) or 0))
+        return known
 
     def alive(self) -> bool:
         """True while this very process (same pid *and* start time) exists."""

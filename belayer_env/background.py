@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -44,8 +45,32 @@ class ThreadSet:
         self.name = name
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
+        self._holds = 0
+        self._held: list[tuple[Callable[..., Any], tuple]] = []
 
     def start(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if self._holds:
+                self._held.append((fn, args))
+                return
+        self._start(fn, *args)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Work started meanwhile waits until the last hold ends (``fork``: the first forks'
+        clean-up would otherwise take CPU from the forks still restoring)."""
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                due, self._held = (self._held, []) if not self._holds else ([], self._held)
+            for fn, args in due:
+                self._start(fn, *args)
+
+    def _start(self, fn: Callable[..., Any], *args: Any) -> None:
         def run() -> None:
             try:
                 fn(*args)
@@ -59,7 +84,8 @@ class ThreadSet:
         thread.start()
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every thread started so far; True when none is left."""
+        """Wait up to ``timeout_s`` for every thread started so far; True when none is left.
+        Work held back (``held``) has not started: it is waited for once its hold ended."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:

@@ -27,6 +27,7 @@ from belayer_env.checkpoint import (
 )
 from belayer_env.checkpoint.prestaging import discard_copies
 from belayer_env.checkpoint.standby import Standby, meminfo_available, promote_or_none
+from belayer_env.fork_pool import RestoreSpare
 from belayer_env.phases import PhaseHooks
 from belayer_env.policy import CheckpointPolicy
 from belayer_env.sandbox import DockerSandbox
@@ -210,13 +211,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, committed: int, *, client: docker.DockerClient, wait_s: float, attempts: int) -> tuple[DockerSandbox, int] | None:
+    def restore(self, committed: int, *, client: docker.DockerClient, wait_s: float, attempts: int,
+                spare: RestoreSpare | None = None) -> tuple[DockerSandbox, int] | None:
         """Restore the newest ready checkpoint at or below ``committed`` into a fresh container.
 
         A checkpoint whose restore fails twice (``RestoreFailed``: corrupt, or the runtime
         refused it) is dropped and an older one tried; a restore killed by an infra fault
         is retried (the checkpoint is fine, the attempt was not). ``None``: nothing
-        usable is left, the caller goes back to the initial state.
+        usable is left, the caller goes back to the initial state. ``spare``: a container
+        created ahead for it (``fork_pool.RestoreSpare``), used if the checkpoint fits it.
         """
         self.poll(committed, wait_s=wait_s)
         if self._pending is not None:  # outlived the wait: not trustworthy in time
@@ -235,7 +238,7 @@ class Checkpointer:
                 return sandbox, ckpt.step
             try:
                 sandbox = full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
-                                       phase_hook=self.hooks)
+                                       phase_hook=self.hooks, spare=spare)
             except RestoreFailed as e:
                 self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
                 failures[ckpt.id] = failures.get(ckpt.id, 0) + 1

@@ -32,7 +32,7 @@ from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence, sandbox_containers, wait_removed
-from belayer_env.fork_pool import ForkPool
+from belayer_env.fork_pool import ForkPool, RestoreSpare
 from belayer_env.phases import Phase, PhaseHook
 from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
 from belayer_env.rewards import Reward, ZeroReward
@@ -74,6 +74,10 @@ class EnvConfig(StrictModel):
     """Keep this many fork containers created ahead, refilled in the background after
     ``reset`` and each ``fork`` (``belayer_env.fork_pool``): ``fork(n)`` then only starts
     them. Each costs a created container (and its disk cap's loop mount). 0: off."""
+    restore_spare: bool = False
+    """Keep one container created ahead for the next restore, refilled in the background
+    after ``reset`` and each rollback (``fork_pool.RestoreSpare``): a rollback without a
+    standby skips Docker's create. Costs a created container (no memory)."""
 
 
 class _OneThread:
@@ -125,6 +129,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                                          allow_degraded=config.allow_degraded, standby=config.standby)
         self.sandbox: DockerSandbox | None = None
         self.fork_pool: ForkPool | None = None
+        self.restore_spare: RestoreSpare | None = None
         self.name = ""
         self._episode_config = config.sandbox
         self._setup: list[str] = []
@@ -165,6 +170,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                     raise
         self._done = False
         self.refill_fork_pool()
+        self._refill_restore_spare()
         observe_reset = getattr(self.policy, "observe_reset", None)  # a policy of an older protocol may lack it
         if observe_reset is not None:
             observe_reset(time.monotonic() - started)
@@ -248,6 +254,18 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             self.fork_pool = ForkPool(self.sandbox, self.config.fork_pool, new_name=self._new_name)
         self.fork_pool.fill()
 
+    def _refill_restore_spare(self) -> None:
+        """Top up the restore spare (config ``restore_spare``) for this sandbox in the
+        background; one made for another image or settings is replaced."""
+        if not self.config.restore_spare or self.sandbox is None:
+            return
+        if self.restore_spare is not None and not self.restore_spare.serves(self.sandbox):
+            self.restore_spare.close()
+            self.restore_spare = None
+        if self.restore_spare is None:
+            self.restore_spare = RestoreSpare(self.sandbox)
+        self.restore_spare.fill()
+
     def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:
         """Call ``hook(phase)`` at every named ``Phase`` of this env's captures and restores
         (boundary 0's fresh sandbox included: ``created``, ``verified``); returns a function
@@ -263,9 +281,10 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
     def close(self) -> None:
         """Remove the sandbox container and every checkpoint this env made (idempotent)."""
         with self._one_thread("close"):
-            if self.fork_pool is not None:
-                self.fork_pool.close()
-                self.fork_pool = None
+            for pool in (self.fork_pool, self.restore_spare):
+                if pool is not None:
+                    pool.close()
+            self.fork_pool = self.restore_spare = None
             self.checkpointer.close()
             self._fence()
             wait_cleaned()  # the restores' spent copies, deleted on threads
@@ -333,7 +352,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         for _ in range(self.config.recovery_attempts):
             try:
                 restored = self.checkpointer.restore(k, client=self.client, wait_s=self.config.pending_wait_s,
-                                                     attempts=self.config.recovery_attempts)
+                                                     attempts=self.config.recovery_attempts, spare=self.restore_spare)
                 if restored is None:
                     self._fence(wait_removed=False)  # a failed restore may have left a container of this name
                     restored = (self._initial_state(), 0)
@@ -346,6 +365,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             self._done = True
             raise last
         self.sandbox, j = restored
+        if self.restore_spare is not None:  # the restored sandbox is made as the one it was made for
+            self.restore_spare.fill()
         self.checkpointer.discard_after(j)
         self.policy.observe_rollback(j)
         self.trajectory.rollback(j, at_step=k, error=error, recovery_s=time.monotonic() - detected)

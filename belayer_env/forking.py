@@ -36,11 +36,11 @@ import docker
 from belayer.errors import RestoreFailed, UsageError
 from belayer_env.checkpoint import in_memory, layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
-from belayer_env.checkpoint.restore import DEFAULT_IMAGES, full_restore
+from belayer_env.checkpoint.restore import DEFAULT_IMAGES, cleanup_deferred, full_restore
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence
-from belayer_env.fork_pool import ForkPool, Slot
+from belayer_env.fork_pool import ForkPool, RestoreSpare, Slot
 from belayer_env.sandbox import DockerSandbox
 
 if TYPE_CHECKING:
@@ -74,6 +74,8 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         raise UsageError(f"n must be an int in 1..{MAX_FORKS}, got {n!r}")
     if names is not None and (len(names) != n or len(set(names)) != n or checkpoint.sandbox in names):
         raise UsageError("names must be n distinct sandbox names, none the checkpoint's own")
+    if isinstance(pool, RestoreSpare):
+        raise UsageError("a restore spare serves its sandbox's own restore (full_restore(spare=)), not forks")
     if pool is not None and (names is not None or not share):
         raise UsageError("a fork pool names its forks and serves shared forks: no names=, no share=False")
     client = client or connect(checkpoint.config.docker_host)
@@ -156,7 +158,7 @@ def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: lis
                  images: concurrent.futures.Future[Path] | None = None,
                  fence_first: bool = True, slots: list[Slot] | None = None) -> list[DockerSandbox]:
     slots = slots or []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
+    with cleanup_deferred(), concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
                                                thread_name_prefix="belayer-fork") as pool:
         futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
                                verified_images=images, fence_first=fence_first,

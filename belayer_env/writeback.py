@@ -49,6 +49,11 @@ def flush_later(*paths: Path) -> None:
     _flushing.start(_flush, key)
 
 
+def held() -> contextlib.AbstractContextManager[None]:
+    """Flushes asked for meanwhile start when it ends (``restore.cleanup_deferred``)."""
+    return _flushing.held()
+
+
 def wait_flushed(timeout_s: float = 120.0) -> bool:
     """Wait for the flushes started so far (benchmarks between timed calls); True when done."""
     return _flushing.wait(timeout_s)

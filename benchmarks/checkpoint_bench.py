@@ -19,6 +19,9 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
 - ``belayer (pre-staged, copied)``: the same, with ``images="copied"``: the images
   themselves go through Docker's start (tar -> containerd's content store -> untar), the
   path before ``linked`` (docs/checkpoint.md).
+- ``belayer (pre-staged, into a spare)``: the pre-staged restore into a ``RestoreSpare``, a
+  container created ahead (untimed, as ``EnvConfig(restore_spare=True)`` keeps one): the
+  restore skips Docker's create; order with ``pre-staged`` alternating by round.
 - ``docker``: the naive way: pause -> ``POST /containers/{id}/checkpoints`` (leave running)
   -> ``docker commit --pause=false`` -> unpause; restore = create from the commit, copy the
   checkpoint in, ``start?checkpoint=``.
@@ -87,7 +90,7 @@ from belayer_env.checkpoint.store import owner_tag  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 from belayer_env.fence import wait_removed  # noqa: E402
-from belayer_env.fork_pool import ForkPool  # noqa: E402
+from belayer_env.fork_pool import ForkPool, RestoreSpare  # noqa: E402
 from belayer_env.forking import fork  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
 from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
@@ -111,12 +114,13 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "paused", "prestaged", "prestaged_copied", "standby", "fork", "fork_copied", "fork_pooled",
+METHODS = ("belayer", "paused", "prestaged", "prestaged_spare", "prestaged_copied", "standby", "fork", "fork_copied", "fork_pooled",
            "docker", "cold")
 STEP = "mkdir -p /work/steps && for i in 1 2 3 4 5; do echo {i} >> /work/steps/log$i; done && echo {i} > /work/steps/last"
 """An agent-like step before every capture: a few small files appended to or rewritten."""
 LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused capture (before)",
           "prestaged": "belayer (pre-staged)", "prestaged_copied": "belayer (pre-staged, copied)",
+          "prestaged_spare": "belayer (pre-staged, into a spare created ahead)",
           "standby": "belayer (standby)",
           "fork": "belayer fork x N (all, shared)", "fork_copied": "belayer fork x N (all, copied)",
           "fork_pooled": "belayer fork x N (all, shared, into a pool created ahead)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
@@ -311,6 +315,32 @@ def run_capture_only(client, scenario: str, runs: int, store: CheckpointStore, r
     return out
 
 
+def prestaged_restore(client, sb: DockerSandbox, ck, out: dict, *, spare: bool = False,
+                      images: str | None = None) -> DockerSandbox:
+    """``prestage`` (timed apart) then ``full_restore`` of ``ck`` over ``sb``; ``spare``: into a
+    ``RestoreSpare`` created ahead (untimed, as an env's ``restore_spare`` fills in the background)."""
+    settle()
+    t0 = time.monotonic()
+    assert prestage(ck, client) is not None, "nothing pre-staged"
+    out["prestage_s"].append(time.monotonic() - t0)
+    ahead = RestoreSpare(sb) if spare else None
+    if ahead is not None:
+        ahead.fill()
+        assert ahead.wait_filled(), f"the spare was not created: {ahead.error}"
+    phases: list[str] = []
+    settle()
+    t0 = time.monotonic()
+    try:
+        restored = full_restore(ck, client=client, phase_hook=phases.append, images=images, spare=ahead)
+        out["restore_s"].append(time.monotonic() - t0)
+        assert "staged" in phases, phases
+        assert ahead is None or len(ahead) == 0, "the restore did not start in its spare"
+    finally:
+        if ahead is not None:
+            ahead.close()
+    return restored
+
+
 def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, fork_n: int,
                  loads: list) -> dict:
     sb = bench_sandbox(client, scenario, run_id)
@@ -319,6 +349,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     out["belayer_detail"] = {}
     out["prestaged"] = {k: [] for k in ("frozen_s", "total_s", "prestage_s", "restore_s", "size_bytes")}
     out["prestaged_copied"] = {"prestage_s": [], "restore_s": []}
+    out["prestaged_spare"] = {"prestage_s": [], "restore_s": []}
     out["cold"] = {"restore_s": []}
     out["standby"] = {"prepare_s": [], "restore_s": []}
     out["fork"] = {"restore_s": []}
@@ -340,28 +371,11 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             t0 = time.monotonic()
             sb = full_restore(ck, client=client)
             out["belayer"]["restore_s"].append(time.monotonic() - t0)
-            settle()
-            t0 = time.monotonic()
-            assert prestage(ck, client) is not None, "nothing pre-staged"
-            out["prestaged"]["prestage_s"].append(time.monotonic() - t0)
-            phases: list[str] = []
-            settle()
-            t0 = time.monotonic()
-            sb = full_restore(ck, client=client, phase_hook=phases.append)
-            out["prestaged"]["restore_s"].append(time.monotonic() - t0)
-            assert "staged" in phases, phases
+            for method in ("prestaged", "prestaged_spare")[::1 if i % 2 == 0 else -1]:  # side by side
+                sb = prestaged_restore(client, sb, ck, out[method], spare=method == "prestaged_spare")
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["prestaged"][k].append(getattr(ck, k))
-            settle()
-            t0 = time.monotonic()
-            assert prestage(ck, client) is not None, "nothing pre-staged"
-            out["prestaged_copied"]["prestage_s"].append(time.monotonic() - t0)
-            phases = []
-            settle()
-            t0 = time.monotonic()
-            sb = full_restore(ck, client=client, phase_hook=phases.append, images="copied")
-            out["prestaged_copied"]["restore_s"].append(time.monotonic() - t0)
-            assert "staged" in phases, phases
+            sb = prestaged_restore(client, sb, ck, out["prestaged_copied"], images="copied")
             settle()
             sb, prepare_s, rollback_s = standby_rollback(client, sb, ck)
             out["standby"]["prepare_s"].append(prepare_s)
@@ -378,7 +392,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             print(f"  {scenario} run {i + 1}/{runs}: belayer frozen {ck.frozen_s * 1e3:.0f} ms, total "
                   f"{ck.total_s * 1e3:.0f} ms, restore {out['belayer']['restore_s'][-1] * 1e3:.0f} ms, pre-staged "
                   f"{out['prestaged']['restore_s'][-1] * 1e3:.0f} ms (prestage {out['prestaged']['prestage_s'][-1] * 1e3:.0f}"
-                  f" ms), pre-staged copied {out['prestaged_copied']['restore_s'][-1] * 1e3:.0f} ms | docker "
+                  f" ms), into a spare {out['prestaged_spare']['restore_s'][-1] * 1e3:.0f} ms, pre-staged copied {out['prestaged_copied']['restore_s'][-1] * 1e3:.0f} ms | docker "
                   f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
                   flush=True)
     finally:

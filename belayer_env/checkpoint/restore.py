@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -73,7 +73,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                  use_staged: bool = True, images: Images | None = None,
                  shared: shared_layer.SharedLower | None = None,
                  verified_images: Path | concurrent.futures.Future[Path] | None = None,
-                 fence_first: bool = True, precreated: fork_pool.Slot | None = None) -> DockerSandbox:
+                 fence_first: bool = True, precreated: fork_pool.Slot | None = None,
+                 spare: fork_pool.RestoreSpare | None = None) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
@@ -89,6 +90,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     random suffix each), so none is listed and killed first (if one did, taking the name fails).
     ``precreated``: a pooled container (``fork_pool``) created for sandbox ``name`` with this
     checkpoint's image and settings, used instead of a create (with ``shared`` only).
+    ``spare``: its container is used instead of a create when this checkpoint was taken of
+    a container made like it (``fork_pool.RestoreSpare``; an unshared restore).
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -96,8 +99,10 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     hook = phase_hook or no_hook
     ck = checkpoint
     target = name or ck.sandbox
-    if precreated is not None and (shared is None or precreated.target != target):
+    if precreated is not None and (shared is None or precreated.target != target or not precreated.alias):
         raise UsageError("a pooled container serves a shared fork, under the name it was created for")
+    if spare is not None and shared is not None:
+        raise UsageError("a restore spare serves a restore with a layer of its own, not a shared fork")
     try:
         data, digest = read_manifest_digest(Path(ck.path))
     except ValueError as e:
@@ -153,6 +158,9 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             if precreated is not None:
                 cid, info = precreated.container_id, precreated.inspect
                 _attach_precreated(client, cid, info, shared, precreated.alias)
+            elif (spared := _take_spare(spare, ck, data)) is not None:
+                cid, info = spared.container_id, spared.inspect
+                _fit_spare(client, cid, info, ck, layer_image)
             else:
                 cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
             hook(Phase.CREATED)
@@ -295,8 +303,10 @@ class _Staged:
         valid from any directory of the same file system (``LINK_UP``): ``dest`` may be renamed."""
         self.verified()
         dest.mkdir(mode=0o700, parents=True)
-        for f in self.dir.iterdir():
-            os.symlink(LINK_UP + str(f.resolve()).lstrip("/"), dest / f.name)
+        here = str(self.dir.resolve())  # once: a file's own resolve walked the whole path again
+        for f in os.scandir(self.dir):
+            target = os.path.realpath(f.path) if f.is_symlink() else f"{here}/{f.name}"  # ``_link_all``'s links
+            os.symlink(LINK_UP + target.lstrip("/"), dest / f.name)
         return ctrd_copies.write_nonce(dest)
 
     def discard(self) -> None:
@@ -356,6 +366,15 @@ def _clean(paths: list[Path], parts: list[_Staged], nonces: list[str]) -> None:
 
 def _clean_later(paths: list[Path], parts: list[_Staged], nonces: list[str]) -> None:
     _cleaning.start(_clean, paths, parts, nonces)
+
+
+@contextlib.contextmanager
+def cleanup_deferred() -> Iterator[None]:
+    """Restores that end meanwhile delete their spent copies and write back only when it
+    ends (``fork``: eight restores side by side, the first ones' clean-up and ``syncfs``
+    would take the CPU and disk from the others still restoring)."""
+    with _cleaning.held(), writeback.held():
+        yield
 
 
 def wait_cleaned(timeout_s: float = 120.0) -> bool:
@@ -419,6 +438,27 @@ def _attach_precreated(client: docker.DockerClient, cid: str, info: dict[str, An
     try:
         shared_layer.make_alias(shared, alias)
         shared.attach(info)
+    except BaseException:
+        remove_quietly(client, cid)
+        raise
+
+
+def _take_spare(spare: fork_pool.RestoreSpare | None, ck: Checkpoint, data: dict[str, Any]) -> fork_pool.Slot | None:
+    if spare is None or not spare.matches(ck.config, data.get("image_id"), bool(data.get("network_disabled"))):
+        return None
+    taken = spare.take(1)
+    return taken[0] if taken else None
+
+
+def _fit_spare(client: docker.DockerClient, cid: str, info: dict[str, Any], ck: Checkpoint,
+               layer_image: Path | None) -> None:
+    """A spare (created without a disk cap) gets what ``_create`` gives a new container:
+    the pre-staged layer file system mounted as its layer, or else the checkpoint's cap."""
+    try:
+        if layer_image is not None:
+            disk.mount_layer_image(info, layer_image)
+        elif ck.config.disk_bytes is not None:
+            disk.limit_layer(info, ck.config.disk_bytes)
     except BaseException:
         remove_quietly(client, cid)
         raise

@@ -39,3 +39,20 @@ def test_owner_is_its_pid_and_start_time():
 def test_text_that_names_no_owner_counts_as_dead():
     for label in ("", "123", "abc-1", "1-", "-1", "1-2-3"):
         assert OwnerId.from_label(label) is None and not owner_alive(label), label
+
+
+def test_current_owner_of_a_forked_child_is_the_child():
+    parent = OwnerId.current()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own pid and start time, not the parent's remembered one
+        os.close(read_end)
+        os.write(write_end, OwnerId.current().to_label().encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as r:
+        label = r.read().decode()
+    os.waitpid(pid, 0)
+    child = OwnerId.from_label(label)
+    assert child is not None and child.pid == pid != parent.pid
+    assert OwnerId.current() == parent
