@@ -9,7 +9,9 @@ random instant within its fault-free duration, or a crash at a random phase), or
 restore (an action is killed to cause one, then the restore dies at a random phase).
 With ``standby=True`` the env keeps a standby (checkpoint/standby.py) and a fourth kind of
 fault hits it: while it is prepared (``standby_frozen``) or while a rollback thaws it
-(``standby_thawed``; an action is killed to cause that rollback).
+(``standby_thawed``; an action is killed to cause that rollback). With ``spare=True``
+restores start in a container created ahead (``EnvConfig(restore_spare=True)``), restore
+faults included.
 A trial passes iff its final state equals the golden one and every effect happened
 exactly once. A trial that cannot finish is a counterexample too, never skipped.
 """
@@ -79,13 +81,14 @@ class _Golden(BaseModel):
     duration_s: float
 
 
-def _make_env(checkpoint_every: int, standby: bool = False) -> RecoverableSandboxEnv:
+def _make_env(checkpoint_every: int, standby: bool = False, spare: bool = False) -> RecoverableSandboxEnv:
     policy = AlwaysPolicy(every=checkpoint_every)
-    return RecoverableSandboxEnv(EnvConfig(keep_checkpoints=N_STEPS, standby=standby), checkpoint_policy=policy)
+    return RecoverableSandboxEnv(EnvConfig(keep_checkpoints=N_STEPS, standby=standby, restore_spare=spare),
+                                 checkpoint_policy=policy)
 
 
-def _golden(checkpoint_every: int, standby: bool = False) -> _Golden:
-    env = _make_env(checkpoint_every, standby)
+def _golden(checkpoint_every: int, standby: bool = False, spare: bool = False) -> _Golden:
+    env = _make_env(checkpoint_every, standby, spare)
     t0 = time.monotonic()
     try:
         env.reset(options={"setup": SETUP})
@@ -188,8 +191,8 @@ class _Injector:
 
 
 def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
-              standby: bool = False) -> TrialResult:
-    env = _make_env(checkpoint_every, standby)
+              standby: bool = False, spare: bool = False) -> TrialResult:
+    env = _make_env(checkpoint_every, standby, spare)
     injector = _Injector(env, fault)
     t0 = time.monotonic()
     result = TrialResult(trial=trial, fault=fault, ok=False)
@@ -251,16 +254,19 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
 
 
 def run_consistency(trials: int, *, seed: int = 0, checkpoint_every: int = 2, standby: bool = False,
+                    spare: bool = False,
                     progress: Callable[[TrialResult], None] | None = None) -> ConsistencyReport:
     """Golden run, then ``trials`` faulty trials; counterexamples are reported, never hidden.
 
-    ``standby``: the env keeps a standby and faults also hit its preparation and thaw."""
+    ``standby``: the env keeps a standby and faults also hit its preparation and thaw.
+    ``spare``: the env keeps a restore spare (a container created ahead for restores)."""
     t0 = time.monotonic()
     rng = random.Random(seed)
-    golden = _golden(checkpoint_every, standby)
+    golden = _golden(checkpoint_every, standby, spare)
     results = []
     for i in range(trials):
-        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every, standby), golden, checkpoint_every, standby)
+        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every, standby), golden, checkpoint_every, standby,
+                      spare)
         results.append(r)
         if progress:
             progress(r)
