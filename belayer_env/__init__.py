@@ -22,6 +22,7 @@ _LAZY = {
     "fence": "belayer_env.fence",
     "fork": "belayer_env.forking",
     "ForkPool": "belayer_env.fork_pool",
+    "RestoreSpare": "belayer_env.fork_pool",
     "Phase": "belayer_env.phases",
     "RecoverableSandboxEnv": "belayer_env.env",
     "Sandbox": "belayer_env.protocol",

@@ -263,7 +263,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             self.restore_spare.close()
             self.restore_spare = None
         if self.restore_spare is None:
-            self.restore_spare = RestoreSpare(self.sandbox)
+            # named apart from any episode's sandbox: it outlives resets (a new name each)
+            self.restore_spare = RestoreSpare(self.sandbox, new_name=lambda: f"{self._new_name()}-spare")
         self.restore_spare.fill()
 
     def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:

@@ -170,8 +170,8 @@ class RestoreSpare(ForkPool):
     taken of a container made like it (module docstring), else creates as before.
     """
 
-    def __init__(self, sandbox: DockerSandbox):
-        super().__init__(sandbox, 1, new_name=lambda: f"{sandbox.name}-spare-{uuid.uuid4().hex[:8]}")
+    def __init__(self, sandbox: DockerSandbox, *, new_name: Callable[[], str] | None = None):
+        super().__init__(sandbox, 1, new_name=new_name or (lambda: f"{sandbox.name}-spare-{uuid.uuid4().hex[:8]}"))
 
     def _create(self) -> Slot:
         name = self.new_name()  # its own sandbox name until the restore renames it: not fenced with the sandbox

@@ -149,5 +149,14 @@ def test_env_rolls_back_into_its_spare_and_refills_it(make_env, docker_client):
     assert env.restore_spare.wait_filled(), env.restore_spare.error  # refilled after the rollback
     (refilled,) = env.restore_spare.container_ids()
     assert refilled != waiting
+    env.reset(options={"task": "t2", "setup": "mkdir -p /w"})  # a new episode, made alike: the spare stays
+    assert env.restore_spare.container_ids() == [refilled]
+    env.step("echo b >> /w/log")
+    env.settle()
+    kill_container(docker_client, env.sandbox.container_id)
+    assert env.step("echo lost >> /w/log")[4]["belayer"]["rollback"]["to_step"] == 1
+    assert env.sandbox.container_id == refilled and env.step("cat /w/log")[0].endswith("<output>\nb\n</output>")
+    assert env.restore_spare.wait_filled(), env.restore_spare.error
+    (refilled,) = env.restore_spare.container_ids()
     env.close()
     assert not docker_client.api.containers(all=True, filters={"id": refilled}), "close left the spare"
