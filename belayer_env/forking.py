@@ -36,7 +36,12 @@ import docker
 from belayer.errors import RestoreFailed, UsageError
 from belayer_env.checkpoint import in_memory, layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
-from belayer_env.checkpoint.restore import DEFAULT_IMAGES, cleanup_deferred, full_restore
+from belayer_env.checkpoint.restore import (
+    DEFAULT_IMAGES,
+    clean_later,
+    cleanup_deferred,
+    full_restore,
+)
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence
@@ -86,8 +91,15 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
     if not share:
         return _restore_all(checkpoint, client, names, parallel, None, fence_first=not generated)
     root = prestaging.docker_root(client)
-    with contextlib.suppress(Exception):  # best effort: copies no container uses any more
-        shared_layer.sweep(client, root)
+    with cleanup_deferred():
+        # copies no container uses any more (best effort): removed once the forks started,
+        # not before (an API call per copy and alias: tens of ms of a fork's CPU)
+        clean_later(shared_layer.sweep, client, root)
+        return _fork_shared(checkpoint, client, names, n, parallel, generated, pool, root)
+
+
+def _fork_shared(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], n: int, parallel: int,
+                 generated: bool, pool: ForkPool | None, root: str) -> list[DockerSandbox]:
     try:
         data, digest = read_manifest_digest(Path(checkpoint.path))
     except ValueError as e:

@@ -377,6 +377,16 @@ def cleanup_deferred() -> Iterator[None]:
         yield
 
 
+def clean_later(fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` on a clean-up thread, errors ignored: held like a restore's own clean-up
+    (``cleanup_deferred``), awaited by ``wait_cleaned``."""
+    def quietly() -> None:
+        with contextlib.suppress(Exception):
+            fn(*args)
+
+    _cleaning.start(quietly)
+
+
 def wait_cleaned(timeout_s: float = 120.0) -> bool:
     """Wait for this process's restores to finish deleting their spent copies (``env.close``,
     tests); True when none is left. What a dying process leaves is removed by the next
