@@ -19,9 +19,12 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
 - ``belayer (pre-staged, copied)``: the same, with ``images="copied"``: the images
   themselves go through Docker's start (tar -> containerd's content store -> untar), the
   path before ``linked`` (docs/checkpoint.md).
-- ``belayer (pre-staged, into a spare)``: the pre-staged restore into a ``RestoreSpare``, a
+- ``belayer (pre-staged, sandbox lost)``: the same, but the sandbox is killed first, untimed
+  (the failure a rollback answers, as for ``standby``), then timed as an env rolls back: its
+  fence (the dead container renamed aside, removed on a thread), then the restore.
+- ``belayer (pre-staged, sandbox lost, into a spare)``: that, into a ``RestoreSpare``, a
   container created ahead (untimed, as ``EnvConfig(restore_spare=True)`` keeps one): the
-  restore skips Docker's create; order with ``pre-staged`` alternating by round.
+  restore skips Docker's create. The three pre-staged restores rotate their order by round.
 - ``docker``: the naive way: pause -> ``POST /containers/{id}/checkpoints`` (leave running)
   -> ``docker commit --pause=false`` -> unpause; restore = create from the commit, copy the
   checkpoint in, ``start?checkpoint=``.
@@ -47,6 +50,7 @@ not with figures from another machine.
 Each round starts with an agent-like step (a few small files written) so there is something to
 capture. ``--capture-only``: only the two captures and the restore, per round (short runs).
 ``--fork-only``: only a capture and the three forks (shared, copied, pooled), per round.
+``--restore-only``: only a capture and the three pre-staged restores (live, lost, spare), per round.
 
 Every timed call starts once the previous one's background work has finished (``settle``:
 a fenced container's removal, a restore's spent copies and the write-back of what a prestage
@@ -114,13 +118,14 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "paused", "prestaged", "prestaged_spare", "prestaged_copied", "standby", "fork", "fork_copied", "fork_pooled",
+METHODS = ("belayer", "paused", "prestaged", "prestaged_lost", "prestaged_spare", "prestaged_copied", "standby", "fork", "fork_copied", "fork_pooled",
            "docker", "cold")
 STEP = "mkdir -p /work/steps && for i in 1 2 3 4 5; do echo {i} >> /work/steps/log$i; done && echo {i} > /work/steps/last"
 """An agent-like step before every capture: a few small files appended to or rewritten."""
 LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused capture (before)",
           "prestaged": "belayer (pre-staged)", "prestaged_copied": "belayer (pre-staged, copied)",
-          "prestaged_spare": "belayer (pre-staged, into a spare created ahead)",
+          "prestaged_lost": "belayer (pre-staged, sandbox lost)",
+          "prestaged_spare": "belayer (pre-staged, sandbox lost, into a spare created ahead)",
           "standby": "belayer (standby)",
           "fork": "belayer fork x N (all, shared)", "fork_copied": "belayer fork x N (all, copied)",
           "fork_pooled": "belayer fork x N (all, shared, into a pool created ahead)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
@@ -260,6 +265,29 @@ def run_fork_only(client, scenario: str, runs: int, store: CheckpointStore, run_
     return out
 
 
+def run_restore_only(client, scenario: str, runs: int, store: CheckpointStore, run_id: str, loads: list) -> dict:
+    """A capture, then the three pre-staged restores (sandbox live, lost, lost into a spare), per round."""
+    sb = bench_sandbox(client, scenario, run_id)
+    methods = ("prestaged", "prestaged_lost", "prestaged_spare")
+    out = {m: {"prestage_s": [], "restore_s": []} for m in methods}
+    try:
+        for i in range(runs):
+            sb.execute(STEP.format(i=i))
+            ck = full_checkpoint(sb, store)
+            for method in methods[i % 3:] + methods[:i % 3]:
+                sb = prestaged_restore(client, sb, ck, out[method], spare=method == "prestaged_spare",
+                                       lost=method != "prestaged")
+            loads.append(os.getloadavg())
+            print(f"  {scenario} run {i + 1}/{runs}: pre-staged {out['prestaged']['restore_s'][-1] * 1e3:.0f} ms, lost "
+                  f"{out['prestaged_lost']['restore_s'][-1] * 1e3:.0f} ms, lost into a spare "
+                  f"{out['prestaged_spare']['restore_s'][-1] * 1e3:.0f} ms, load {loads[-1][0]:.1f}", flush=True)
+    finally:
+        fence(client, sb.name, background=False)
+        for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
+            fence(client, c["Names"][0].lstrip("/"), background=False)
+    return out
+
+
 def capture_pair(sb: DockerSandbox, store: CheckpointStore, i: int, out: dict) -> object:
     """The paused and the incremental capture of one boundary, in alternating order; the
     incremental checkpoint is returned (what the rest of the round restores)."""
@@ -315,10 +343,13 @@ def run_capture_only(client, scenario: str, runs: int, store: CheckpointStore, r
     return out
 
 
-def prestaged_restore(client, sb: DockerSandbox, ck, out: dict, *, spare: bool = False,
+def prestaged_restore(client, sb: DockerSandbox, ck, out: dict, *, spare: bool = False, lost: bool = False,
                       images: str | None = None) -> DockerSandbox:
     """``prestage`` (timed apart) then ``full_restore`` of ``ck`` over ``sb``; ``spare``: into a
-    ``RestoreSpare`` created ahead (untimed, as an env's ``restore_spare`` fills in the background)."""
+    ``RestoreSpare`` created ahead (untimed, as an env's ``restore_spare`` fills in the background);
+    ``lost``: ``sb`` killed first, untimed (the failure a rollback answers, as for the standby),
+    then timed what an env's rollback does: its fence (kill, rename aside, removal on a thread),
+    then the restore."""
     settle()
     t0 = time.monotonic()
     assert prestage(ck, client) is not None, "nothing pre-staged"
@@ -329,7 +360,11 @@ def prestaged_restore(client, sb: DockerSandbox, ck, out: dict, *, spare: bool =
         assert ahead.wait_filled(), f"the spare was not created: {ahead.error}"
     phases: list[str] = []
     settle()
+    if lost:
+        client.api.kill(sb.container_id)
     t0 = time.monotonic()
+    if lost:
+        fence(client, sb.name)
     try:
         restored = full_restore(ck, client=client, phase_hook=phases.append, images=images, spare=ahead)
         out["restore_s"].append(time.monotonic() - t0)
@@ -349,6 +384,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     out["belayer_detail"] = {}
     out["prestaged"] = {k: [] for k in ("frozen_s", "total_s", "prestage_s", "restore_s", "size_bytes")}
     out["prestaged_copied"] = {"prestage_s": [], "restore_s": []}
+    out["prestaged_lost"] = {"prestage_s": [], "restore_s": []}
     out["prestaged_spare"] = {"prestage_s": [], "restore_s": []}
     out["cold"] = {"restore_s": []}
     out["standby"] = {"prepare_s": [], "restore_s": []}
@@ -371,8 +407,10 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             t0 = time.monotonic()
             sb = full_restore(ck, client=client)
             out["belayer"]["restore_s"].append(time.monotonic() - t0)
-            for method in ("prestaged", "prestaged_spare")[::1 if i % 2 == 0 else -1]:  # side by side
-                sb = prestaged_restore(client, sb, ck, out[method], spare=method == "prestaged_spare")
+            methods = ("prestaged", "prestaged_lost", "prestaged_spare")
+            for method in methods[i % 3:] + methods[:i % 3]:  # side by side, order rotating by round
+                sb = prestaged_restore(client, sb, ck, out[method], spare=method == "prestaged_spare",
+                                       lost=method != "prestaged")
             for k in ("frozen_s", "total_s", "size_bytes"):
                 out["prestaged"][k].append(getattr(ck, k))
             sb = prestaged_restore(client, sb, ck, out["prestaged_copied"], images="copied")
@@ -392,7 +430,8 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             print(f"  {scenario} run {i + 1}/{runs}: belayer frozen {ck.frozen_s * 1e3:.0f} ms, total "
                   f"{ck.total_s * 1e3:.0f} ms, restore {out['belayer']['restore_s'][-1] * 1e3:.0f} ms, pre-staged "
                   f"{out['prestaged']['restore_s'][-1] * 1e3:.0f} ms (prestage {out['prestaged']['prestage_s'][-1] * 1e3:.0f}"
-                  f" ms), into a spare {out['prestaged_spare']['restore_s'][-1] * 1e3:.0f} ms, pre-staged copied {out['prestaged_copied']['restore_s'][-1] * 1e3:.0f} ms | docker "
+                  f" ms), lost {out['prestaged_lost']['restore_s'][-1] * 1e3:.0f} ms, lost into a spare "
+                  f"{out['prestaged_spare']['restore_s'][-1] * 1e3:.0f} ms, pre-staged copied {out['prestaged_copied']['restore_s'][-1] * 1e3:.0f} ms | docker "
                   f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
                   flush=True)
     finally:
@@ -448,13 +487,16 @@ def main() -> int:
     ap.add_argument("--fork-n", type=int, default=8, help="sandboxes per fork (0: no fork measurement)")
     ap.add_argument("--capture-only", action="store_true",
                     help="only the paused vs incremental captures (and a restore every other round)")
-    ap.add_argument("--fork-only", action="store_true", help="only a capture and the two forks (shared, copied)")
+    ap.add_argument("--fork-only", action="store_true", help="only a capture and the three forks (shared, copied, pooled)")
+    ap.add_argument("--restore-only", action="store_true",
+                    help="only a capture and the three pre-staged restores (sandbox live, lost, lost into a spare)")
     ap.add_argument("--out", default=None, help="default: results/checkpoint_bench.json "
                     "(results/checkpoint_bench_capture.json with --capture-only)")
     args = ap.parse_args()
     if args.out is None:
         name = ("checkpoint_bench_capture.json" if args.capture_only else
-                "checkpoint_bench_fork.json" if args.fork_only else "checkpoint_bench.json")
+                "checkpoint_bench_fork.json" if args.fork_only else
+                "checkpoint_bench_restore.json" if args.restore_only else "checkpoint_bench.json")
         args.out = str(Path(__file__).parent / "results" / name)
     client = connect()
     run_id = uuid.uuid4().hex[:8]
@@ -471,6 +513,8 @@ def main() -> int:
         for scen in args.scenarios.split(","):
             if args.fork_only:
                 raw = run_fork_only(client, scen, args.runs, store, run_id, args.fork_n, result["host"]["loadavg"])
+            elif args.restore_only:
+                raw = run_restore_only(client, scen, args.runs, store, run_id, result["host"]["loadavg"])
             elif args.capture_only:
                 raw = run_capture_only(client, scen, args.runs, store, run_id, result["host"]["loadavg"])
             else:
