@@ -31,7 +31,8 @@ from belayer_env.checkpoint.restore import wait_cleaned
 from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
 from belayer_env.docker_api import connect
-from belayer_env.fence import fence, sandbox_containers, wait_removed
+from belayer_env.fence import fence, remove_in_background, sandbox_containers, wait_removed
+from belayer_env.fence import kill as fence_kill
 from belayer_env.fork_pool import ForkPool, RestoreSpare
 from belayer_env.phases import Phase, PhaseHook
 from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
@@ -341,7 +342,15 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         detected = time.monotonic()
         self.policy.observe_failure()
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
-        self._fence(wait_removed=False)
+        dead = self._kill_sandbox()
+        try:
+            return self._restore_after(error, k, detected)
+        finally:
+            # removed once the rollback is done: deleting a big dead layer beside the restore
+            # slowed a heavy one by ~0.1 s (benchmarks/checkpoint_bench.py, prestaged_lost)
+            remove_in_background(self.client, dead)
+
+    def _restore_after(self, error: InfraError, k: int, detected: float) -> tuple[str, float, bool, bool, dict]:
         if self._name_blocked():
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
             # checkpoints restore under this name, so only boundary 0, under a new name, is left
@@ -416,6 +425,16 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         elif self.sandbox is not None:
             with contextlib.suppress(Exception):
                 self.sandbox.close()
+
+    def _kill_sandbox(self) -> list[str]:
+        """``_fence`` without the removal: kill and rename aside (the name is free); returns
+        what is left to ``remove_in_background``."""
+        if not self.name:
+            return []
+        try:
+            return fence_kill(self.client, self.name)
+        except Exception:  # noqa: BLE001 - as _fence: the restore's own fence tries again
+            return []
 
     def _new_name(self) -> str:
         return f"{self._episode_config.name_prefix}-env-{uuid.uuid4().hex[:12]}"

@@ -21,7 +21,8 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   path before ``linked`` (docs/checkpoint.md).
 - ``belayer (pre-staged, sandbox lost)``: the same, but the sandbox is killed first, untimed
   (the failure a rollback answers, as for ``standby``), then timed as an env rolls back: its
-  fence (the dead container renamed aside, removed on a thread), then the restore.
+  fence (the dead container killed and renamed aside), then the restore (the dead one's
+  removal starts after it).
 - ``belayer (pre-staged, sandbox lost, into a spare)``: that, into a ``RestoreSpare``, a
   container created ahead (untimed, as ``EnvConfig(restore_spare=True)`` keeps one): the
   restore skips Docker's create. The three pre-staged restores rotate their order by round.
@@ -93,7 +94,8 @@ from belayer_env.checkpoint.standby import Standby  # noqa: E402
 from belayer_env.checkpoint.store import owner_tag  # noqa: E402
 from belayer_env.config import SandboxConfig  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
-from belayer_env.fence import wait_removed  # noqa: E402
+from belayer_env.fence import kill as fence_kill  # noqa: E402
+from belayer_env.fence import remove_in_background, wait_removed  # noqa: E402
 from belayer_env.fork_pool import ForkPool, RestoreSpare  # noqa: E402
 from belayer_env.forking import fork  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
@@ -348,8 +350,8 @@ def prestaged_restore(client, sb: DockerSandbox, ck, out: dict, *, spare: bool =
     """``prestage`` (timed apart) then ``full_restore`` of ``ck`` over ``sb``; ``spare``: into a
     ``RestoreSpare`` created ahead (untimed, as an env's ``restore_spare`` fills in the background);
     ``lost``: ``sb`` killed first, untimed (the failure a rollback answers, as for the standby),
-    then timed what an env's rollback does: its fence (kill, rename aside, removal on a thread),
-    then the restore."""
+    then timed what an env's rollback does: its fence (kill, rename aside), then the restore
+    (the dead container's removal starts after it, as in ``RecoverableSandboxEnv._recover``)."""
     settle()
     t0 = time.monotonic()
     assert prestage(ck, client) is not None, "nothing pre-staged"
@@ -363,11 +365,11 @@ def prestaged_restore(client, sb: DockerSandbox, ck, out: dict, *, spare: bool =
     if lost:
         client.api.kill(sb.container_id)
     t0 = time.monotonic()
-    if lost:
-        fence(client, sb.name)
+    dead = fence_kill(client, sb.name) if lost else []
     try:
         restored = full_restore(ck, client=client, phase_hook=phases.append, images=images, spare=ahead)
         out["restore_s"].append(time.monotonic() - t0)
+        remove_in_background(client, dead)
         assert "staged" in phases, phases
         assert ahead is None or len(ahead) == 0, "the restore did not start in its spare"
     finally:
