@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import docker
 import gymnasium as gym
@@ -46,6 +46,7 @@ OWN_EXITS_TO_END = 2
 """An action from the same boundary that ends the sandbox from inside this often is the agent's outcome."""
 OWN_EXIT_WAIT_S = 5.0
 OBSERVATION_TEMPLATE = "<returncode>{returncode}</returncode>\n<output>\n{output}</output>"
+_Pool = TypeVar("_Pool", bound=ForkPool)  # what an env keeps filled: a ForkPool or a RestoreSpare
 
 
 class EnvConfig(StrictModel):
@@ -246,27 +247,26 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
     def refill_fork_pool(self) -> None:
         """Top up ``fork_pool`` containers for this sandbox in the background (config
         ``fork_pool``; a pool made for another image or settings is replaced)."""
-        if not self.config.fork_pool or self.sandbox is None:
-            return
-        if self.fork_pool is not None and not self.fork_pool.serves(self.sandbox):
-            self.fork_pool.close()
-            self.fork_pool = None
-        if self.fork_pool is None:
-            self.fork_pool = ForkPool(self.sandbox, self.config.fork_pool, new_name=self._new_name)
-        self.fork_pool.fill()
+        self.fork_pool = self._refilled(self.fork_pool, bool(self.config.fork_pool),
+                                        lambda sb: ForkPool(sb, self.config.fork_pool, new_name=self._new_name))
 
     def _refill_restore_spare(self) -> None:
-        """Top up the restore spare (config ``restore_spare``) for this sandbox in the
-        background; one made for another image or settings is replaced."""
-        if not self.config.restore_spare or self.sandbox is None:
-            return
-        if self.restore_spare is not None and not self.restore_spare.serves(self.sandbox):
-            self.restore_spare.close()
-            self.restore_spare = None
-        if self.restore_spare is None:
-            # named apart from any episode's sandbox: it outlives resets (a new name each)
-            self.restore_spare = RestoreSpare(self.sandbox, new_name=lambda: f"{self._new_name()}-spare")
-        self.restore_spare.fill()
+        """The same for the restore spare (config ``restore_spare``), named apart from any
+        episode's sandbox: it outlives resets (a new name each)."""
+        self.restore_spare = self._refilled(
+            self.restore_spare, self.config.restore_spare,
+            lambda sb: RestoreSpare(sb, new_name=lambda: f"{self._new_name()}-spare"))
+
+    def _refilled(self, pool: _Pool | None, wanted: bool, make: Callable[[DockerSandbox], _Pool]) -> _Pool | None:
+        if not wanted or self.sandbox is None:
+            return pool
+        if pool is not None and not pool.serves(self.sandbox):
+            pool.close()
+            pool = None
+        if pool is None:  # not ``pool or``: an empty pool is falsy (``len``)
+            pool = make(self.sandbox)
+        pool.fill()
+        return pool
 
     def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:
         """Call ``hook(phase)`` at every named ``Phase`` of this env's captures and restores

@@ -137,9 +137,9 @@ def test_bad_pool_arguments_are_usage_errors(make_sandbox, ck_store, docker_clie
 KILLED_WITH_A_POOL = """
 import os, signal, sys
 from belayer_env import DockerSandbox
-from belayer_env.fork_pool import ForkPool
+from belayer_env.fork_pool import ForkPool, RestoreSpare
 sb = DockerSandbox(name_prefix="belayer-test-poolowner")
-pool = ForkPool(sb, 2)
+pool = {make}
 pool.fill()
 assert pool.wait_filled(), pool.error
 print(sb.name, *pool.container_ids(), flush=True)
@@ -147,14 +147,15 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_gc_reaps_the_pool_of_a_dead_owner(docker_client):
-    p = subprocess.run([sys.executable, "-c", KILLED_WITH_A_POOL], capture_output=True, text=True, timeout=180,
-                       cwd=Path(__file__).resolve().parents[2])
+@pytest.mark.parametrize("make", ["ForkPool(sb, 2)", "RestoreSpare(sb)"])
+def test_gc_reaps_the_pool_of_a_dead_owner(docker_client, make):
+    p = subprocess.run([sys.executable, "-c", KILLED_WITH_A_POOL.replace("{make}", make)], capture_output=True,
+                       text=True, timeout=180, cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     owner, *pooled = p.stdout.split()
     try:
         orphans = {c.id for c in list_managed(docker_client) if c.orphaned}
-        assert set(pooled) <= orphans, "a dead owner's pooled containers are not listed as orphans"
+        assert pooled and set(pooled) <= orphans, "a dead owner's pooled containers are not listed as orphans"
         assert cli_main(["gc"]) == 0
         for cid in pooled:
             assert not docker_client.api.containers(all=True, filters={"id": cid}), f"gc left {cid}"

@@ -2,22 +2,17 @@
 
 Real containers and CRIU: the sandbox restored into its spare carries the checkpoint's
 live server, append-only log and file tree (pre-staged or not), under the sandbox's name,
-with the disk cap; the spare is not fenced with the sandbox it waits for, is reaped with
-a dead owner, serves only checkpoints of containers made like it; the env uses and
-refills it on a rollback.
+with the disk cap; the spare is not fenced with the sandbox it waits for, serves only
+checkpoints of containers made like it; the env uses and refills it on a rollback. (Reaped
+with a dead owner: ``test_fork_pool.test_gc_reaps_the_pool_of_a_dead_owner``.)
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from belayer.cli import main as cli_main
 from belayer.errors import UsageError
 from belayer_env import fork
 from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestage
@@ -106,32 +101,6 @@ def test_a_spare_serves_only_checkpoints_of_containers_made_like_it(make_sandbox
         fork(full_checkpoint(a, ck_store, 2), 1, client=docker_client, pool=spare)
     spare.close()
     assert not docker_client.api.containers(all=True, filters={"id": waiting[0]}), "close left the spare"
-
-
-KILLED_WITH_A_SPARE = """
-import os, signal
-from belayer_env import DockerSandbox
-from belayer_env.fork_pool import RestoreSpare
-sb = DockerSandbox(name_prefix="belayer-test-spareowner")
-spare = RestoreSpare(sb)
-spare.fill()
-assert spare.wait_filled(), spare.error
-print(sb.name, *spare.container_ids(), flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
-def test_gc_reaps_the_spare_of_a_dead_owner(docker_client):
-    p = subprocess.run([sys.executable, "-c", KILLED_WITH_A_SPARE], capture_output=True, text=True, timeout=180,
-                       cwd=Path(__file__).resolve().parents[2])
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
-    owner, spare = p.stdout.split()
-    try:
-        assert spare in {c.id for c in list_managed(docker_client) if c.orphaned}
-        assert cli_main(["gc"]) == 0
-        assert not docker_client.api.containers(all=True, filters={"id": spare}), "gc left the spare"
-    finally:
-        fence(docker_client, owner, background=False)
 
 
 def test_env_rolls_back_into_its_spare_and_refills_it(make_env, docker_client):
