@@ -87,6 +87,13 @@ class ForkPool:
         return (image_id == self.config.image and network_disabled == self.network_disabled
                 and checkpoint_config.model_copy(update={"image": image_id}) == self.config)
 
+    def take_for(self, checkpoint_config: SandboxConfig, manifest: dict[str, Any], n: int) -> list[Slot]:
+        """Up to ``n`` containers if a checkpoint with this config and manifest restores into
+        them (``matches``), else none."""
+        if not self.matches(checkpoint_config, manifest.get("image_id"), bool(manifest.get("network_disabled"))):
+            return []
+        return self.take(n)
+
     def fill(self) -> None:
         """Top the pool up to ``size`` on a background thread (no-op while one runs)."""
         with self._lock:

@@ -111,7 +111,7 @@ def _fork_shared(checkpoint: Checkpoint, client: docker.DockerClient, names: lis
             # while the forks' containers are created; each fork starts once both are verified
             images_job = one.submit(_verified_images, checkpoint, client, data) if checkpoint.has_runtime else None
             with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
-                slots = _take(pool, checkpoint, data, n) if shared is not None else []
+                slots = pool.take_for(checkpoint.config, data, n) if pool is not None and shared is not None else []
                 if slots:  # the pool's containers, then new ones for the rest
                     names = [s.target for s in slots] + names[len(slots):]
                 try:
@@ -157,12 +157,6 @@ def _discard_images(d: Path) -> None:
     with contextlib.suppress(OSError):
         in_memory.umount(d)
     shutil.rmtree(d, ignore_errors=True)
-
-
-def _take(pool: ForkPool | None, checkpoint: Checkpoint, data: dict[str, Any], n: int) -> list[Slot]:
-    if pool is None or not pool.matches(checkpoint.config, data.get("image_id"), bool(data.get("network_disabled"))):
-        return []
-    return pool.take(n)
 
 
 def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,

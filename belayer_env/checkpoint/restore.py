@@ -158,7 +158,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
             if precreated is not None:
                 cid, info = precreated.container_id, precreated.inspect
                 _attach_precreated(client, cid, info, shared, precreated.alias)
-            elif (spared := _take_spare(spare, ck, data)) is not None:
+            elif spare is not None and (spared := next(iter(spare.take_for(ck.config, data, 1)), None)) is not None:
                 cid, info = spared.container_id, spared.inspect
                 _fit_spare(client, cid, info, ck, layer_image)
             else:
@@ -459,13 +459,6 @@ def _attach_precreated(client: docker.DockerClient, cid: str, info: dict[str, An
     except BaseException:
         remove_quietly(client, cid)
         raise
-
-
-def _take_spare(spare: fork_pool.RestoreSpare | None, ck: Checkpoint, data: dict[str, Any]) -> fork_pool.Slot | None:
-    if spare is None or not spare.matches(ck.config, data.get("image_id"), bool(data.get("network_disabled"))):
-        return None
-    taken = spare.take(1)
-    return taken[0] if taken else None
 
 
 def _fit_spare(client: docker.DockerClient, cid: str, info: dict[str, Any], ck: Checkpoint,
