@@ -85,7 +85,22 @@ def hook_knob() -> tuple[Callable[[bool], None], Callable[[], None]]:
     return use, partial(use, True)
 
 
-KNOBS = {"tmpfs-tar": tmpfs_tar_knob, "loopback-hook": hook_knob}
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_knob() -> tuple[Callable[[bool], None], Callable[[], None]]:
+    """The host's transparent huge pages: ``madvise`` (Debian's default) vs ``always`` during the restores."""
+    if not THP.exists():
+        raise SystemExit(f"restore_ab: {THP} missing (a kernel without transparent huge pages): nothing to compare")
+    found = THP.read_text().split("[")[1].split("]")[0]
+
+    def use(on: bool) -> None:
+        THP.write_text("always" if on else "madvise")
+
+    return use, lambda: THP.write_text(found)
+
+
+KNOBS = {"tmpfs-tar": tmpfs_tar_knob, "loopback-hook": hook_knob, "thp": thp_knob}
 
 
 def in_process_count(client, cid: str) -> int:

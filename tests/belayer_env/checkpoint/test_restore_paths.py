@@ -242,15 +242,22 @@ def test_not_prestaged_images_are_verified_into_memory_and_unmounted_after(make_
     cross_mount = not _same_mount(Path(ck.path) / "manifest.json", docker_tmp(docker_client))
     held: list[tuple[str, str, str]] = []
 
+    links: list[tuple[str, str, str] | None] = []
+
     def where_images_are(phase: str) -> None:
         if phase == "runtime_verified":
-            held.append(_mount_of(pages_to_restore(docker_client, sb.name)[0].resolve()))
+            pages = pages_to_restore(docker_client, sb.name)
+            held.append(_mount_of(pages[0].resolve()))
+            own = pages[0].parent.parent  # the container's checkpoints directory
+            links.append(_mount_of(own.resolve()) if own.is_symlink() else None)
 
     restored = full_restore(ck, client=docker_client, use_staged=False, phase_hook=where_images_are)
     wait_until(lambda: log_state(restored)[1] and log_state(restored)[0] > 0, 30, "restored counter consistent")
     [(point, fstype, source)] = held
     if cross_mount:  # the store is on another mount (here: /tmp vs Docker's bind-mounted root)
         assert (fstype, source) == ("tmpfs", in_memory.RESTORE), held
+        # the links Docker gets were made beside the images, in memory, not on Docker's disk
+        assert links == [(point, "tmpfs", in_memory.RESTORE)], links
         assert leftovers_in_tmp(docker_client) == []
         assert not os.path.ismount(point), f"the restore's tmpfs {point} is still mounted"
     else:  # hardlinks into Docker's tmp dir: nothing copied at all
