@@ -6,7 +6,7 @@ prints, per scenario, every span relative to the start of ``fork`` (ms) and the 
 totals. A diagnostic for docs/checkpoint.md's Fork section, not a benchmark (the wrapping
 costs microseconds per call; ``checkpoint_bench.py --fork-only`` gives the figures).
 
-Run: ``python3 benchmarks/fork_profile.py --scenarios idle,heavy --fork-n 8`` (Docker + CRIU, root).
+Run: ``python3 benchmarks/fork_profile.py --scenarios idle,heavy --fork-n 8 [--pool]`` (Docker + CRIU, root).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from belayer_env.checkpoint import (  # noqa: E402
     shared_layer,  # noqa: E402
 )
 from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.fork_pool import ForkPool  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
 
 SPANS: list[tuple[str, str, float, float]] = []
@@ -123,6 +124,7 @@ def main() -> int:
     ap.add_argument("--fork-n", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--parallel", type=int, default=None, help="fork(..., parallel=) (default: fork's own)")
+    ap.add_argument("--pool", action="store_true", help="into a ForkPool of fork-n containers filled ahead")
     ap.add_argument("--quiet", action="store_true", help="per-part totals only, no timeline")
     args = ap.parse_args()
     instrument()
@@ -145,10 +147,20 @@ def profile(client, store: CheckpointStore, scen: str, run_id: str, args: argpar
         for i in range(args.rounds):
             sb.execute(bench.STEP.format(i=i))
             ck = full_checkpoint(sb, store)
+            kw = {"parallel": args.parallel} if args.parallel else {}
+            pool = ForkPool(sb, args.fork_n) if args.pool else None
+            if pool is not None:  # filled ahead, untimed, as an env's ``fork_pool``
+                pool.fill()
+                assert pool.wait_filled(), f"the fork pool did not fill: {pool.error}"
+                bench.settle()
+                kw["pool"] = pool
             SPANS.clear()
             t0 = time.monotonic()
-            kw = {"parallel": args.parallel} if args.parallel else {}
-            forks = forking.fork(ck, args.fork_n, client=client, **kw)
+            try:
+                forks = forking.fork(ck, args.fork_n, client=client, **kw)
+            finally:
+                if pool is not None:
+                    pool.close()
             total = time.monotonic() - t0
             print(f"\n{scen} round {i + 1}: checkpoint {ck.size_bytes / 1e6:.1f} MB")
             report(t0, total, args.quiet)
