@@ -11,6 +11,10 @@ said it was extracted in-process, none of a ``default`` one.
 stage (``belayer_env/loopback.py``); ``default``: the shell script, ``tuned``: the static
 hook set-up builds (swapped in place, atomically, between restores; put back at the end).
 
+``--knob thp``: the host's transparent huge pages, ``default``: ``madvise`` (Debian's),
+``tuned``: ``always`` (CRIU's restore could then map the restored heap with 2 MiB pages),
+flipped between restores, put back as found at the end.
+
 Each round: an agent-like step, one capture, then per variant (alternating order) one
 ``full_restore`` (not pre-staged) and one ``fork(ck, n)``, each timed end to end and
 fenced after.
