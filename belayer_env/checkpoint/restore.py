@@ -139,6 +139,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                           _Staged(ck, "runtime images", tmp, lambda d: _install_images(ck, data, d)))
     cid, fenced, degraded = None, [], not ck.has_runtime
     images_dir: Path | None = None
+    pointed: Path | None = None  # the container's checkpoints directory, a symlink for the start
     nonce: str | None = None  # names containerd's copy of the images once the start has run
     layer_fs: Path | None = None  # where this restore wrote the layer (not a pre-made file system)
     try:
@@ -181,6 +182,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                         images_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                         os.rename(link_dir, images_dir)
                     elif _point_checkpoints_at(images_dir.parent, link_dir.parent):
+                        pointed = images_dir.parent
                         images_dir = link_dir.parent  # spent with the images
                     else:  # the container's checkpoints directory holds something: links on its disk
                         _remove_links(link_dir)
@@ -238,6 +240,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         nonces = [nonce] if nonce is not None else []  # containerd's copy (``ctrd_copies``)
         if sys.exc_info()[0] is None:
             _clean_later(spent, parts, nonces)
+            if pointed is not None:
+                clean_later(_unpoint, pointed)
             # what this restore wrote (a layer copied into a capped file system: its own
             # file system, then Docker's, which holds its image) is not left for the next
             # restore's fsyncs to wait for (``writeback``)
@@ -553,6 +557,14 @@ def _point_checkpoints_at(own: Path, links: Path) -> bool:
         return False
     os.symlink(links, own)
     return True
+
+
+def _unpoint(own: Path) -> None:
+    """After the start: the container's checkpoints directory an empty directory again, as
+    Docker made it (its own ``docker checkpoint create`` would fail on a dangling symlink)."""
+    if own.is_symlink():
+        own.unlink()
+        own.mkdir(mode=0o700)
 
 
 def _in_memory_links(link_dir: Path) -> bool:

@@ -31,6 +31,7 @@ from belayer_env.checkpoint import (
     full_restore,
     in_memory,
     prestaging,
+    runtime,
     shared_layer,
 )
 from belayer_env.checkpoint.manifest import read_manifest_digest
@@ -303,25 +304,39 @@ def test_the_shared_copy_in_memory_or_on_disk(make_sandbox, ck_store, docker_cli
     assert not root.exists() and not _mounted(root / "diff")
 
 
-def test_forks_get_their_image_links_in_memory(make_sandbox, ck_store, docker_client):
+def test_forks_get_their_image_links_in_memory(make_sandbox, ck_store, docker_client, monkeypatch):
     """Each fork's links to the images verified once for all forks are made beside them, in
     their tmpfs (a symlink on Docker's ext4 cost ~0.4 ms of CPU here, 60+ per fork), handed
-    to Docker as the container's checkpoints directory, and gone with that tmpfs."""
+    to Docker through the container's checkpoints directory (a symlink for the start, an
+    empty directory again after), and gone with that tmpfs."""
     src = make_sandbox()
     start_counter(src, heap_mib=4)
     ck = full_checkpoint(src, ck_store, 1)
+    root = Path(prestaging.docker_root(docker_client))
+    seen: dict[str, tuple[bool, str, bool]] = {}
+    start_from = runtime.start_from
+
+    def observed(client, cid, name):  # what Docker finds at the start (the real start follows)
+        own = root / "containers" / cid / "checkpoints"
+        seen[cid] = (own.is_symlink(), os.readlink(own) if own.is_symlink() else "",
+                     own.is_symlink() and (own / name / "pages-1.img").resolve().is_file())
+        return start_from(client, cid, name)
+
+    monkeypatch.setattr(runtime, "start_from", observed)
     forks = fork(ck, 2, client=docker_client)
     try:
-        root = Path(prestaging.docker_root(docker_client))
-        for f in forks:
-            own = root / "containers" / f.container_id / "checkpoints"
-            assert own.is_symlink(), f"{own} is a directory on Docker's disk"
-            target = Path(os.readlink(own))
-            assert target.name.startswith(".links-") and target.parent.name.startswith(f"{prestaging.PREFIX}fork-"), target
-            assert not target.exists(), f"{target}: the fork's links outlived its images' tmpfs"
-            wait_until(lambda f=f: log_state(f)[1] and log_state(f)[0] > 0, 30, f"fork {f.name} counter consistent")
         assert wait_cleaned()
-        assert not [d for d in prestaging.docker_tmp(docker_client).glob(f"{prestaging.PREFIX}*~{owner_tag()}") if "-staged-" not in d.name]
+        for f in forks:
+            linked, target, pages = seen[f.container_id]
+            assert linked and pages, f"fork {f.name}: images handed over from Docker's disk ({seen})"
+            assert Path(target).name.startswith(".links-"), target
+            assert Path(target).parent.name.startswith(f"{prestaging.PREFIX}fork-"), target
+            assert not Path(target).exists(), f"{target}: the fork's links outlived its images' tmpfs"
+            own = root / "containers" / f.container_id / "checkpoints"
+            assert own.is_dir() and not own.is_symlink() and not any(own.iterdir()), own
+            wait_until(lambda f=f: log_state(f)[1] and log_state(f)[0] > 0, 30, f"fork {f.name} counter consistent")
+        assert not [d for d in prestaging.docker_tmp(docker_client).glob(f"{prestaging.PREFIX}*~{owner_tag()}")
+                    if "-staged-" not in d.name]
     finally:
         for f in forks:
             fence(docker_client, f.name, background=False)
