@@ -345,8 +345,7 @@ class _Staged:
         for f in os.scandir(self.dir):
             if f.name.startswith(LINKS_PREFIX):
                 continue  # another restore's links (``links``)
-            target = os.path.realpath(f.path) if f.is_symlink() else f"{here}/{f.name}"  # ``_link_all``'s links
-            os.symlink(LINK_UP + target.lstrip("/"), dest / f.name)
+            os.symlink(f"{LINK_UP}{here.lstrip('/')}/{f.name}", dest / f.name)
         return ctrd_copies.write_nonce(dest)
 
     def discard(self) -> None:
