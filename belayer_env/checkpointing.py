@@ -48,6 +48,9 @@ class Checkpointer:
         self.standby: Standby | None = None
         self._standby_lock = threading.RLock()
         """The newest checkpoint pre-restored and frozen (``standby=True`` and the policy agrees)."""
+        self.on_published: list[Callable[[Checkpoint], None]] = []
+        """Called (on a watcher thread) with each checkpoint as soon as it is published (the
+        env: its fork pool verifies what forks of it need, ``fork_ahead``)."""
         self.record = record
         self.runtime = runtime
         self.allow_degraded = allow_degraded
@@ -78,22 +81,28 @@ class Checkpointer:
         self._pending_step, self._pending_started = step, time.monotonic()
         self._pending_sandbox = sandbox
         self._waited_for = False
-        if self.use_standby:
-            threading.Thread(target=self._standby_when_published, args=(self._pending,), daemon=True,
-                             name=f"belayer-standby-watch-{step}").start()
+        if self.use_standby or self.on_published:
+            threading.Thread(target=self._when_published, args=(self._pending,), daemon=True,
+                             name=f"belayer-publish-watch-{step}").start()
         return True
 
-    def _standby_when_published(self, pending: PendingCheckpoint) -> None:
-        """Start the standby as soon as the capture is published, not when the env next
-        looks (the next step's start): a fault in that very step would otherwise find the
-        standby's restore just begun and wait for all of it."""
+    def _when_published(self, pending: PendingCheckpoint) -> None:
+        """Start the standby (and ``on_published``) as soon as the capture is published, not
+        when the env next looks (the next step's start): a fault in that very step would
+        otherwise find the standby's restore just begun and wait for all of it."""
         try:
             ckpt = pending.wait(timeout=STANDBY_WATCH_S)
         except Exception:  # noqa: BLE001 - failed or still running: the env's poll reports it
             return
         with self._standby_lock:
-            if ckpt is not None and self._pending is pending and self._client is not None:
-                self._prepare_standby_now(ckpt)  # not collected, cancelled or reset meanwhile
+            current = ckpt is not None and self._pending is pending  # not collected, cancelled or reset meanwhile
+            if current and self.use_standby and self._client is not None:
+                self._prepare_standby_now(ckpt)
+            newest = current or (ckpt is not None and bool(self.ready) and self.ready[-1].id == ckpt.id)
+        if newest:
+            for callback in list(self.on_published):
+                with contextlib.suppress(Exception):  # a preparation ahead is an optimisation
+                    callback(ckpt)
 
     def before_step(self, step: int) -> None:
         """Step ``step + 1`` is about to run: the sandbox must not be frozen any more.
@@ -176,7 +185,7 @@ class Checkpointer:
             return
         with self._standby_lock:
             if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
-                return  # prepared as soon as it was published (``_standby_when_published``)
+                return  # prepared as soon as it was published (``_when_published``)
             self._prepare_standby_now(ckpt)
 
     def _prepare_standby_now(self, ckpt: Checkpoint) -> None:

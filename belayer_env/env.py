@@ -27,6 +27,7 @@ from pydantic import ConfigDict, Field
 
 from belayer.errors import ConfigError, InfraError, SandboxLost, UsageError
 from belayer.procfs import read_stat
+from belayer_env.checkpoint.manifest import Checkpoint
 from belayer_env.checkpoint.restore import wait_cleaned
 from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
@@ -131,6 +132,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                                          allow_degraded=config.allow_degraded, standby=config.standby)
         self.sandbox: DockerSandbox | None = None
         self.fork_pool: ForkPool | None = None
+        if config.fork_pool:
+            self.checkpointer.on_published.append(self._prepare_forks)
         self.restore_spare: RestoreSpare | None = None
         self.name = ""
         self._episode_config = config.sandbox
@@ -171,6 +174,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                 if attempt + 1 == self.config.recovery_attempts:
                     raise
         self._done = False
+        if self.fork_pool is not None:
+            self.fork_pool.prepare(None)  # the last episode's checkpoints are gone
         self.refill_fork_pool()
         self._refill_restore_spare()
         observe_reset = getattr(self.policy, "observe_reset", None)  # a policy of an older protocol may lack it
@@ -249,6 +254,13 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         ``fork_pool``; a pool made for another image or settings is replaced)."""
         self.fork_pool = self._refilled(self.fork_pool, bool(self.config.fork_pool),
                                         lambda sb: ForkPool(sb, self.config.fork_pool, new_name=self._new_name))
+
+    def _prepare_forks(self, checkpoint: Checkpoint) -> None:
+        """A checkpoint was published: the fork pool verifies what forks of it need
+        (``fork_ahead``), holding it instead of the previous checkpoint's."""
+        pool = self.fork_pool
+        if pool is not None and checkpoint.sandbox == self.name:
+            pool.prepare(checkpoint)
 
     def _refill_restore_spare(self) -> None:
         """The same for the restore spare (config ``restore_spare``), named apart from any
@@ -344,14 +356,15 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
         dead = self._kill_sandbox()
         try:
-            return self._restore_after(error, k, detected)
+            return self._restore_after(error, k, detected, set(dead))
         finally:
             # removed once the rollback is done: deleting a big dead layer beside the restore
             # slowed a heavy one by ~0.1 s (benchmarks/checkpoint_bench.py, prestaged_lost)
             remove_in_background(self.client, dead)
 
-    def _restore_after(self, error: InfraError, k: int, detected: float) -> tuple[str, float, bool, bool, dict]:
-        if self._name_blocked():
+    def _restore_after(self, error: InfraError, k: int, detected: float,
+                       fenced: set[str]) -> tuple[str, float, bool, bool, dict]:
+        if self._name_blocked(fenced):
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
             # checkpoints restore under this name, so only boundary 0, under a new name, is left
             self._record("restore_failed", at_step=k, error=SandboxLost(f"cannot fence {self.name}"))
@@ -428,24 +441,26 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _kill_sandbox(self) -> list[str]:
         """``_fence`` without the removal: kill and rename aside (the name is free); returns
-        what is left to ``remove_in_background``."""
+        what is left to ``remove_in_background``. Dead in the kernel's view is enough: Docker's
+        state says so 50-150 ms later, a wait the rollback need not make."""
         if not self.name:
             return []
         try:
-            return fence_kill(self.client, self.name)
+            return fence_kill(self.client, self.name, docker_view=False)
         except Exception:  # noqa: BLE001 - as _fence: the restore's own fence tries again
             return []
 
     def _new_name(self) -> str:
         return f"{self._episode_config.name_prefix}-env-{uuid.uuid4().hex[:12]}"
 
-    def _name_blocked(self) -> bool:
-        """A container of this sandbox still runs or holds its name after the fence (fenced
-        ones are dead and renamed aside, their removal maybe still under way)."""
+    def _name_blocked(self, fenced: set[str]) -> bool:
+        """A container of this sandbox still runs or holds its name after the fence (``fenced``
+        ones are dead and renamed aside, whatever Docker's state says yet; their removal maybe
+        still under way)."""
         try:
             return any(c.get("State") not in ("exited", "dead", "created", "removing")
                        or f"/{self.name}" in (c.get("Names") or ())
-                       for c in sandbox_containers(self.client, self.name, by_name=True))
+                       for c in sandbox_containers(self.client, self.name, by_name=True) if c["Id"] not in fenced)
         except Exception:  # noqa: BLE001 - daemon trouble: the restore attempts will report it
             return False
 

@@ -34,10 +34,12 @@ import docker
 
 from belayer.errors import BelayerError, UsageError
 from belayer_env.checkpoint import shared_layer
+from belayer_env.checkpoint.manifest import Checkpoint
 from belayer_env.checkpoint.store import owner_tag
 from belayer_env.config import SandboxConfig
 from belayer_env.docker_api import translate_errors
 from belayer_env.fence import remove_quietly
+from belayer_env.fork_ahead import ForkAhead
 from belayer_env.ownership import SANDBOX_NAME
 from belayer_env.sandbox import DockerSandbox, create_container
 
@@ -73,6 +75,8 @@ class ForkPool:
         self._closed = False
         self.error: BaseException | None = None
         """Why the last fill stopped early (None: it did not)."""
+        self.ahead: ForkAhead | None = None
+        """The newest checkpoint's shared layer and images, verified ahead (``prepare``)."""
 
     def new_name(self) -> str:
         """A fresh fork name, as this pool names its containers' sandboxes."""
@@ -93,6 +97,17 @@ class ForkPool:
         if not self.matches(checkpoint_config, manifest.get("image_id"), bool(manifest.get("network_disabled"))):
             return []
         return self.take(n)
+
+    def prepare(self, checkpoint: Checkpoint | None) -> None:
+        """Verify ``checkpoint``'s shared layer and runtime images for its forks now, on a
+        thread, and hold them (``fork_ahead``) until the next ``prepare`` (None: none) or
+        ``close``; a fork of it into this pool then only starts containers."""
+        with self._lock:
+            old, self.ahead = self.ahead, None
+            if checkpoint is not None and not self._closed and checkpoint.has_runtime:
+                self.ahead = ForkAhead(checkpoint, self.client)
+        if old is not None:
+            old.close()
 
     def fill(self) -> None:
         """Top the pool up to ``size`` on a background thread (no-op while one runs)."""
@@ -131,6 +146,7 @@ class ForkPool:
             filler = self._filler
         if filler is not None:
             filler.join()
+        self.prepare(None)
         for slot in self.take(MAX_POOL):
             remove_quietly(self.client, slot.container_id)
 

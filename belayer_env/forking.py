@@ -25,26 +25,24 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
-import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import docker
 
 from belayer.errors import RestoreFailed, UsageError
-from belayer_env.checkpoint import in_memory, layer, prestaging, runtime, shared_layer
+from belayer_env.checkpoint import layer, prestaging, runtime, shared_layer
 from belayer_env.checkpoint.manifest import Checkpoint, read_manifest_digest
 from belayer_env.checkpoint.restore import (
-    DEFAULT_IMAGES,
     clean_later,
     cleanup_deferred,
     full_restore,
 )
-from belayer_env.checkpoint.store import owner_tag
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence
+from belayer_env.fork_ahead import discard_images, verified_images
 from belayer_env.fork_pool import ForkPool, RestoreSpare, Slot
 from belayer_env.sandbox import DockerSandbox
 
@@ -105,11 +103,17 @@ def _fork_shared(checkpoint: Checkpoint, client: docker.DockerClient, names: lis
     except ValueError as e:
         raise RestoreFailed(f"checkpoint {checkpoint.id} is incomplete: {e}", checkpoint=checkpoint.id) from e
     images_job = None
+    ahead = pool.ahead if pool is not None else None
+    borrowed = ahead.borrow(checkpoint, digest) if ahead is not None else None  # verified ahead (``fork_ahead``)
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="belayer-fork-images") as one:
             # the CRIU images verified once for all forks, and the layer unpacked once, both
             # while the forks' containers are created; each fork starts once both are verified
-            images_job = one.submit(_verified_images, checkpoint, client, data) if checkpoint.has_runtime else None
+            if borrowed is not None:
+                images_job = concurrent.futures.Future()
+                images_job.set_result(borrowed)
+            elif checkpoint.has_runtime:
+                images_job = one.submit(verified_images, checkpoint, client, data)
             with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
                 slots = pool.take_for(checkpoint.config, data, n) if pool is not None and shared is not None else []
                 if slots:  # the pool's containers, then new ones for the rest
@@ -129,34 +133,10 @@ def _fork_shared(checkpoint: Checkpoint, client: docker.DockerClient, names: lis
         raise RestoreFailed(f"checkpoint {checkpoint.id}: runtime images unusable: {e}",
                             checkpoint=checkpoint.id) from e
     finally:  # every fork has linked its own (or failed): the shared verified copy goes
-        if images_job is not None and images_job.done() and images_job.exception() is None:
-            _discard_images(images_job.result())
-
-
-def _verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: dict[str, Any]) -> Path:
-    """The checkpoint's runtime images copied (hardlinked where the store shares Docker's
-    file system) and checked against the manifest, under a name ``clean_dead_staging``
-    reaps if we die. With linked images (the default) the copy is a tmpfs of its own where
-    it fits (``in_memory.memory_allowed``): a store outside Docker's file system (a bind
-    mount here) meant writing every page image onto Docker's disk on each fork, 0.24-0.4 s
-    of the heavy fork; the memory is held until the forks run (``_discard_images``)."""
-    d = prestaging.docker_tmp(client) / f"{prestaging.PREFIX}fork-{uuid.uuid4().hex[:12]}~{owner_tag()}"
-    cap = sum(m["size"] for rel, m in data["files"].items() if rel.startswith("runtime/")) + (8 << 20)
-    try:
-        d.mkdir(mode=0o700, parents=True)
-        if DEFAULT_IMAGES == "linked" and in_memory.memory_allowed(cap):
-            in_memory.try_mount_tmpfs(d, cap, source=in_memory.FORK, mode="0700")  # the forks symlink to it (restore._link_all)
-        runtime.install(Path(checkpoint.path), data["files"], d)
-    except BaseException:
-        _discard_images(d)
-        raise
-    return d
-
-
-def _discard_images(d: Path) -> None:
-    with contextlib.suppress(OSError):
-        in_memory.umount(d)
-    shutil.rmtree(d, ignore_errors=True)
+        if borrowed is not None:
+            ahead.give_back()  # the pool's: kept for the next fork of this checkpoint
+        elif images_job is not None and images_job.done() and images_job.exception() is None:
+            discard_images(images_job.result())
 
 
 def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,

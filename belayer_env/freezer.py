@@ -52,6 +52,16 @@ def is_frozen(container_id: str) -> bool:
     return state in ("FROZEN", "FREEZING") if path.name == "freezer.state" else state == "1"
 
 
+def no_process_left(container_id: str) -> bool:
+    """True when the container's cgroup exists here and holds no process (dead in the
+    kernel's view, whatever Docker's state says yet); False when it holds one or is unknown."""
+    path = control_file(container_id)
+    try:
+        return path is not None and not (path.parent / "cgroup.procs").read_text().split()
+    except OSError:
+        return False
+
+
 def thaw(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
     """Thaw the container's cgroup; True once it is thawed (or gone), False if it stays frozen."""
     return _write_until(container_id, ("THAWED", "0"), lambda path: not is_frozen(container_id),
@@ -105,13 +115,17 @@ def kill_all(container_id: str, init_pid: int, wait_s: float = 30.0) -> bool:
     its whole pid namespace, execs included. Done only when ``init_pid`` is in the
     container's cgroup (a pid Docker reported may have been reused); "dead" is the
     cgroup's own ``cgroup.procs`` empty, not Docker's view. False (nothing done, or not
-    confirmed in ``wait_s``): the caller falls back to Docker's kill."""
+    confirmed in ``wait_s``): the caller falls back to Docker's kill. A cgroup that holds no
+    process already counts as dead (a container killed so a moment ago, Docker not yet told)."""
     path = control_file(container_id)
     if path is None or init_pid <= 0:
         return False
     procs = path.parent / "cgroup.procs"
     try:
-        if str(init_pid) not in procs.read_text().split():
+        alive = procs.read_text().split()
+        if not alive:
+            return True
+        if str(init_pid) not in alive:
             return False
         os.kill(init_pid, signal.SIGKILL)
     except OSError:  # ProcessLookupError included: already gone

@@ -41,7 +41,10 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   own copy of the layer (what ``fork`` did before); order with ``fork`` alternating by round.
 - ``fork_pooled``: ``fork(checkpoint, n, pool=pool)`` into a ``ForkPool`` of n containers
   created ahead from the sandbox (untimed, as an env's ``fork_pool`` fills in the background):
-  the forks only start; order with the other two rotating by round.
+  the forks only start; order with the others rotating by round.
+- ``fork_ahead``: the same, the pool having also verified the checkpoint's shared layer and
+  runtime images ahead (``ForkPool.prepare``, as ``EnvConfig(fork_pool=n)`` does when a
+  checkpoint is published; ``prepare_s``, untimed in use): the call only starts containers.
 - ``cold``: create + start a fresh container (what a restore competes with: no state).
 
 The machine may be shared: the load average is recorded at the start and after every run
@@ -88,7 +91,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore, prestage  # noqa: E402
 from belayer_env.checkpoint.ctrd_copies import remove as remove_ctrd_copy  # noqa: E402
 from belayer_env.checkpoint.ctrd_copies import write_nonce  # noqa: E402
-from belayer_env.checkpoint.manifest import read_manifest  # noqa: E402
+from belayer_env.checkpoint.manifest import read_manifest, read_manifest_digest  # noqa: E402
 from belayer_env.checkpoint.restore import wait_cleaned  # noqa: E402
 from belayer_env.checkpoint.standby import Standby  # noqa: E402
 from belayer_env.checkpoint.store import owner_tag  # noqa: E402
@@ -120,8 +123,8 @@ for i in $(seq 100); do [ -e /tmp/ready ] && exit 0; sleep 0.1; done; exit 1
 """
 
 
-METHODS = ("belayer", "paused", "prestaged", "prestaged_lost", "prestaged_spare", "prestaged_copied", "standby", "fork", "fork_copied", "fork_pooled",
-           "docker", "cold")
+METHODS = ("belayer", "paused", "prestaged", "prestaged_lost", "prestaged_spare", "prestaged_copied", "standby", "fork",
+           "fork_copied", "fork_pooled", "fork_ahead", "docker", "cold")
 STEP = "mkdir -p /work/steps && for i in 1 2 3 4 5; do echo {i} >> /work/steps/log$i; done && echo {i} > /work/steps/last"
 """An agent-like step before every capture: a few small files appended to or rewritten."""
 LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused capture (before)",
@@ -130,7 +133,9 @@ LABELS = {"belayer": "belayer (incremental capture)", "paused": "belayer paused 
           "prestaged_spare": "belayer (pre-staged, sandbox lost, into a spare created ahead)",
           "standby": "belayer (standby)",
           "fork": "belayer fork x N (all, shared)", "fork_copied": "belayer fork x N (all, copied)",
-          "fork_pooled": "belayer fork x N (all, shared, into a pool created ahead)", "docker": "docker checkpoint + commit", "cold": "cold create + start"}
+          "fork_pooled": "belayer fork x N (all, shared, into a pool created ahead)",
+          "fork_ahead": "belayer fork x N (into a pool, its layer and images verified ahead)",
+          "docker": "docker checkpoint + commit", "cold": "cold create + start"}
 STANDBY_WAIT_S = 300.0
 
 
@@ -225,23 +230,36 @@ def fork_all(client, ck, n: int, share: bool = True, pool: ForkPool | None = Non
     return elapsed
 
 
-def fork_pooled(client, sb: DockerSandbox, ck, n: int) -> float:
-    """``fork`` into a full pool of ``n`` containers created ahead from ``sb`` (untimed)."""
+def fork_pooled(client, sb: DockerSandbox, ck, n: int, out: dict | None = None) -> float:
+    """``fork`` into a full pool of ``n`` containers created ahead from ``sb`` (untimed);
+    with ``out`` (``fork_ahead``) the pool also verified the checkpoint's shared layer and
+    images ahead (``ForkPool.prepare``, as ``EnvConfig(fork_pool=n)`` does on publication;
+    its time, untimed in use, goes to ``out["prepare_s"]``)."""
     pool = ForkPool(sb, n)
     try:
         pool.fill()
+        if out is not None:
+            settle()
+            t0 = time.monotonic()
+            pool.prepare(ck)
+            assert pool.ahead.borrow(ck, read_manifest_digest(Path(ck.path))[1]) is not None, "nothing prepared"
+            out["prepare_s"].append(time.monotonic() - t0)
+            pool.ahead.give_back()
         assert pool.wait_filled(), f"the fork pool did not fill: {pool.error}"
         return fork_all(client, ck, n, pool=pool)
     finally:
         pool.close()
 
 
+FORK_METHODS = ("fork", "fork_copied", "fork_pooled", "fork_ahead")
+
+
 def fork_pair(client, sb: DockerSandbox, ck, n: int, i: int, out: dict) -> None:
-    """``fork``, ``fork_copied`` and ``fork_pooled`` of one checkpoint, the order rotating by round."""
-    order = ("fork", "fork_copied", "fork_pooled")
-    for method in order[i % 3:] + order[:i % 3]:
-        took = (fork_pooled(client, sb, ck, n) if method == "fork_pooled" else
-                fork_all(client, ck, n, share=method == "fork"))
+    """Every fork method of one checkpoint, the order rotating by round."""
+    k = i % len(FORK_METHODS)
+    for method in FORK_METHODS[k:] + FORK_METHODS[:k]:
+        took = (fork_pooled(client, sb, ck, n, out[method] if method == "fork_ahead" else None)
+                if method in ("fork_pooled", "fork_ahead") else fork_all(client, ck, n, share=method == "fork"))
         out[method]["restore_s"].append(took)
 
 
@@ -249,7 +267,7 @@ def run_fork_only(client, scenario: str, runs: int, store: CheckpointStore, run_
                   loads: list) -> dict:
     sb = bench_sandbox(client, scenario, run_id)
     out = {"fork": {"restore_s": []}, "fork_copied": {"restore_s": []}, "fork_pooled": {"restore_s": []},
-           "belayer": {"size_bytes": []}}
+           "fork_ahead": {"restore_s": [], "prepare_s": []}, "belayer": {"size_bytes": []}}
     try:
         for i in range(runs):
             sb.execute(STEP.format(i=i))
@@ -259,7 +277,9 @@ def run_fork_only(client, scenario: str, runs: int, store: CheckpointStore, run_
             loads.append(os.getloadavg())
             print(f"  {scenario} run {i + 1}/{runs}: fork x{fork_n} shared {out['fork']['restore_s'][-1] * 1e3:.0f} ms,"
                   f" copied {out['fork_copied']['restore_s'][-1] * 1e3:.0f} ms,"
-                  f" pooled {out['fork_pooled']['restore_s'][-1] * 1e3:.0f} ms, load {loads[-1][0]:.1f}", flush=True)
+                  f" pooled {out['fork_pooled']['restore_s'][-1] * 1e3:.0f} ms,"
+                  f" pooled + prepared ahead {out['fork_ahead']['restore_s'][-1] * 1e3:.0f} ms, load {loads[-1][0]:.1f}",
+                  flush=True)
     finally:
         for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
             fence(client, c["Names"][0].lstrip("/"), background=False)
@@ -393,6 +413,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     out["fork"] = {"restore_s": []}
     out["fork_copied"] = {"restore_s": []}
     out["fork_pooled"] = {"restore_s": []}
+    out["fork_ahead"] = {"restore_s": [], "prepare_s": []}
     images: list[str] = []
     try:
         for i in range(runs):

@@ -6,7 +6,7 @@ prints, per scenario, every span relative to the start of ``fork`` (ms) and the 
 totals. A diagnostic for docs/checkpoint.md's Fork section, not a benchmark (the wrapping
 costs microseconds per call; ``checkpoint_bench.py --fork-only`` gives the figures).
 
-Run: ``python3 benchmarks/fork_profile.py --scenarios idle,heavy --fork-n 8 [--pool]`` (Docker + CRIU, root).
+Run: ``python3 benchmarks/fork_profile.py --scenarios idle,heavy --fork-n 8 [--pool [--ahead]]`` (Docker + CRIU, root).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from belayer_env.checkpoint import (  # noqa: E402
     runtime,
     shared_layer,  # noqa: E402
 )
+from belayer_env.checkpoint.manifest import read_manifest_digest  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 from belayer_env.fork_pool import ForkPool  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
@@ -67,7 +68,7 @@ def _wrap(owner: object, attr: str, label: str | None = None) -> None:
 
 def instrument() -> None:
     for owner, attr, label in [
-        (forking.shared_layer, "sweep", "sweep shared"), (forking, "_verified_images", "images verify (once)"),
+        (forking.shared_layer, "sweep", "sweep shared"), (forking, "verified_images", "images verify (once)"),
         (shared_layer, "_make", "shared layer make"), (layer, "install", "  layer unpack+hash"),
         (in_memory, "try_mount_tmpfs", "tmpfs mount"), (getattr(shared_layer, "Making", None), "wait_ready", "wait shared ready"),
         (prestaging, "clean_dead_staging", "clean dead staging"), (prestaging, "docker_tmp", "docker_tmp"),
@@ -125,8 +126,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--parallel", type=int, default=None, help="fork(..., parallel=) (default: fork's own)")
     ap.add_argument("--pool", action="store_true", help="into a ForkPool of fork-n containers filled ahead")
+    ap.add_argument("--ahead", action="store_true",
+                    help="with --pool: the pool verified the checkpoint's layer and images ahead (ForkPool.prepare)")
     ap.add_argument("--quiet", action="store_true", help="per-part totals only, no timeline")
     args = ap.parse_args()
+    if args.ahead and not args.pool:
+        ap.error("--ahead needs --pool (the pool holds what it verified ahead)")
     instrument()
     client = connect()
     run_id = uuid.uuid4().hex[:8]
@@ -151,6 +156,10 @@ def profile(client, store: CheckpointStore, scen: str, run_id: str, args: argpar
             pool = ForkPool(sb, args.fork_n) if args.pool else None
             if pool is not None:  # filled ahead, untimed, as an env's ``fork_pool``
                 pool.fill()
+                if args.ahead:  # as an env's ``fork_pool`` does when a checkpoint is published
+                    pool.prepare(ck)
+                    assert pool.ahead.borrow(ck, read_manifest_digest(Path(ck.path))[1]) is not None, "nothing prepared"
+                    pool.ahead.give_back()
                 assert pool.wait_filled(), f"the fork pool did not fill: {pool.error}"
                 bench.settle()
                 kw["pool"] = pool

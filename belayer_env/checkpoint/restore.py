@@ -436,16 +436,8 @@ def wait_cleaned(timeout_s: float = 120.0) -> bool:
 def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> list[str]:
     """Kill every container of sandbox ``target`` except this restore's own (``new_name``)."""
     listed = [c for c in fence.sandbox_containers(client, target, by_name=True)
-              if f"/{new_name}" not in (c.get("Names") or ()) and not _fenced_already(c, target)]
+              if f"/{new_name}" not in (c.get("Names") or ())]
     return fence.kill_listed(client, target, listed, docker_view=False)  # dead is enough to start; Docker's view: after the start
-
-
-def _fenced_already(listed: dict[str, Any], target: str) -> bool:
-    """Dead in Docker's listing and renamed aside: a fence (the env's, right before its
-    restore) has done all there is to do, its removal is under way; three Docker calls
-    spared on the restore's critical path."""
-    return (listed.get("State") in ("exited", "dead", "created")
-            and any(n.startswith(f"/{target}-fenced-") for n in listed.get("Names") or ()))
 
 
 def _nothing(*_args: Any) -> list[str]:

@@ -21,12 +21,12 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import docker
 
 from belayer.errors import InfraError, RestoreFailed, SandboxLost
 from belayer_env import fence
+from belayer_env.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint
 from belayer_env.checkpoint.restore import full_restore
 from belayer_env.docker_api import translate_errors
@@ -137,13 +137,21 @@ class Standby:
                 self._cancel.set()  # still preparing past the wait: it removes itself
             return None
         api, cid = self.client.api, sandbox.container_id
+        # the thaw runs beside the fence: the standby shares nothing with the failed sandbox,
+        # and only the rename needs the name the fence frees
+        thaw = Background(_unpause, api, cid, f"thaw standby {standby}", name="belayer-standby-thaw")
         try:
-            fenced = fence.kill(self.client, name)
-            _both(lambda: api.rename(cid, name), lambda: api.unpause(cid), f"promote standby {standby}")
+            # dead in the kernel's view is enough; Docker's state catches up ~50-150 ms later,
+            # and the background removal below waits for it
+            fenced = fence.kill(self.client, name, docker_view=False)
+            with translate_errors(f"promote standby {standby}"):
+                api.rename(cid, name)
+            thaw.result()
             self.hook(Phase.STANDBY_THAWED)
             promoted = DockerSandbox.attach(cid, checkpoint.config, name, self.client)
             promoted.check_alive(f"thawed standby of {checkpoint.id}")
         except BaseException:
+            thaw.join()
             with contextlib.suppress(Exception):  # under either name: nothing half-promoted runs
                 fence.fence(self.client, standby, background=False)
                 fence.fence(self.client, name, background=False)
@@ -178,24 +186,9 @@ class Standby:
                 fence.fence(self.client, name, background=False)
 
 
-def _both(first: Callable[[], object], second: Callable[[], object], what: str) -> None:
-    """Run two independent Docker calls side by side (rename and unpause: ~2 x 15 ms under
-    load); raise the first error, translated, once both are done."""
-    errors: list[BaseException] = []
-
-    def run(call: Callable[[], object]) -> None:
-        try:
-            with translate_errors(what):
-                call()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    t = threading.Thread(target=run, args=(first,), daemon=True, name="belayer-standby-promote")
-    t.start()
-    run(second)
-    t.join()
-    if errors:
-        raise errors[0]
+def _unpause(api: docker.APIClient, container_id: str, what: str) -> None:
+    with translate_errors(what):
+        api.unpause(container_id)
 
 
 def promote_or_none(standby: Standby | None, checkpoint: Checkpoint, name: str) -> DockerSandbox | None:

@@ -35,7 +35,7 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         idle = result["scenarios"]["idle"]
         assert {m for m in idle if m not in ("raw", "belayer_detail")} == {
             "belayer", "paused", "prestaged", "prestaged_lost", "prestaged_spare", "prestaged_copied", "standby",
-            "fork", "fork_copied", "fork_pooled", "docker", "cold"}
+            "fork", "fork_copied", "fork_pooled", "fork_ahead", "docker", "cold"}
         assert idle["belayer_detail"], "the incremental capture's breakdown is reported"
         assert idle["fork"]["restore_s"]["n"] == 1 and idle["standby"]["restore_s"]["n"] == 1
         assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})

@@ -370,13 +370,13 @@ def test_a_corrupt_checkpoint_forks_into_nothing(make_sandbox, ck_store, docker_
 KILLED_AFTER_IMAGES = """
 import os, signal, sys
 from pathlib import Path
-from belayer_env import forking
+from belayer_env import fork_ahead
 from belayer_env.checkpoint import CheckpointStore
 from belayer_env.checkpoint.manifest import read_manifest_digest
 from belayer_env.docker_api import connect
 ck = CheckpointStore(Path(sys.argv[1])).get(sys.argv[2])
 data, _ = read_manifest_digest(Path(ck.path))
-print(forking._verified_images(ck, connect(), data), flush=True)
+print(fork_ahead.verified_images(ck, connect(), data), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -21,11 +21,13 @@ from belayer.cli import main as cli_main
 from belayer.errors import ConfigError, UsageError
 from belayer_env import fork
 from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestaging, shared_layer
+from belayer_env.checkpoint.manifest import read_manifest_digest
 from belayer_env.fence import sandbox_containers
 from belayer_env.fork_pool import ForkPool
 from belayer_env.gc import list_managed, sweep_shared_layers
 from belayer_env.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
+from tests.conftest import wait_until
 
 
 def _state(docker_client, cid: str) -> str:
@@ -169,8 +171,12 @@ def test_env_forks_start_in_its_pool_and_it_refills(make_env, docker_client):
     assert env.fork_pool is not None and env.fork_pool.wait_filled(), env.fork_pool and env.fork_pool.error
     pooled = env.fork_pool.container_ids()
     env.step("echo a >> /w/log")
+    # boundary 1 published: the pool verifies its layer and images ahead, before any fork
+    wait_until(lambda: env.fork_pool.ahead is not None and env.fork_pool.ahead.checkpoint.step == 1, 60,
+               "the pool preparing the published checkpoint")
     children = env.fork(2)
     try:
+        assert env.fork_pool.ahead.checkpoint.step == 1  # kept for the next fork of boundary 1
         assert sorted(c.sandbox.container_id for c in children) == sorted(pooled)
         for i, c in enumerate(children):
             obs, *_ = c.step(f"echo fork{i} >> /w/log; cat /w/log")
@@ -185,3 +191,62 @@ def test_env_forks_start_in_its_pool_and_it_refills(make_env, docker_client):
     env.close()
     for cid in refilled:
         assert not docker_client.api.containers(all=True, filters={"id": cid}), "close left a pooled container"
+
+
+def test_a_pool_verifies_the_newest_checkpoint_ahead_and_its_forks_only_start(make_sandbox, ck_store, docker_client,
+                                                                              pools, monkeypatch):
+    from belayer_env import forking
+
+    src = make_sandbox()
+    assert src.execute("mkdir -p /data && echo base > /data/shared")["returncode"] == 0
+    start_counter(src)
+    start_server(src)
+    h0 = http_get(src)
+    pool = ForkPool(src, 2)
+    pools.append(pool)
+    pool.fill()
+    ck1 = full_checkpoint(src, ck_store, 1)
+    pool.prepare(ck1)
+    first = pool.ahead
+    images1 = first.borrow(ck1, read_manifest_digest(Path(ck1.path))[1])  # waits for the preparation
+    assert images1 is not None and any(images1.iterdir())
+    first.give_back()
+    assert http_get(src) == h0 + 1  # the server moves on: the two checkpoints differ in memory
+    ck2 = full_checkpoint(src, ck_store, 2)
+    pool.prepare(ck2)  # replaces the first: its images go, its copy is left to sweep
+    assert not images1.exists()
+    assert pool.wait_filled(), pool.error
+    digest = read_manifest_digest(Path(ck2.path))[1]
+    images2 = pool.ahead.borrow(ck2, digest)
+    assert images2 is not None
+    pool.ahead.give_back()
+    copies = {p.name for p in shared_layer.lowers_root(prestaging.docker_root(docker_client)).iterdir()
+              if shared_layer.SharedLower(p).ready()}
+    assert any(digest[:12] in name for name in copies)  # unpacked and verified before any fork
+    made: list[str] = []
+    real_make, real_images = shared_layer._make, forking.verified_images
+    monkeypatch.setattr(shared_layer, "_make", lambda *a, **k: made.append("layer") or real_make(*a, **k))
+    monkeypatch.setattr(forking, "verified_images", lambda *a, **k: made.append("images") or real_images(*a, **k))
+    forks = fork(ck2, 2, client=docker_client, pool=pool)
+    others = []
+    try:
+        assert made == []  # the fork only started containers: nothing unpacked or verified on the call
+        assert images2.is_dir() and any(images2.iterdir())  # still held for the next fork of ck2
+        for i, f in enumerate(forks):
+            assert f.restored_from == ck2.id and http_get(f) == h0 + 2
+            n, unbroken = log_state(f)
+            assert unbroken and n > 0
+            assert f.execute(f"echo fork{i} > /data/shared")["returncode"] == 0
+        assert [f.execute("cat /data/shared")["output"] for f in forks] == ["fork0\n", "fork1\n"]
+        assert src.execute("cat /data/shared")["output"] == "base\n"
+        others = fork(ck1, 1, client=docker_client, pool=pool)  # another checkpoint: verified on the call
+        assert others[0].restored_from == ck1.id and http_get(others[0]) == h0 + 1
+        assert made.count("images") == 1
+    finally:
+        for f in [*forks, *others]:
+            fence(docker_client, f.name, background=False)
+    pool.close()
+    assert not images2.exists()  # closing the pool lets the images go, and the copy to sweep
+    sweep_shared_layers(docker_client)
+    lowers = shared_layer.lowers_root(prestaging.docker_root(docker_client))
+    assert not [n for n in copies if (lowers / n).exists()]

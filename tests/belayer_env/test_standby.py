@@ -31,6 +31,15 @@ def _running(client, name: str) -> list[str]:
     return [c["Id"] for c in sandbox_containers(client, name, by_name=True) if c.get("State") == "running"]
 
 
+def _processes(container_id: str) -> list[str]:
+    """The pids in the container's cgroup (none once it is dead, or its cgroup gone)."""
+    path = freezer.control_file(container_id)
+    try:
+        return [] if path is None else (path.parent / "cgroup.procs").read_text().split()
+    except FileNotFoundError:
+        return []
+
+
 def test_standby_is_frozen_and_promotes_to_the_checkpoint(make_sandbox, ck_store, docker_client):
     sb = make_sandbox()
     start_counter(sb)
@@ -49,12 +58,12 @@ def test_standby_is_frozen_and_promotes_to_the_checkpoint(make_sandbox, ck_store
     assert sb.execute("echo late > /late")["returncode"] == 0
     assert http_get(sb) == h0 + 1
     old = sb.container_id
+    assert _processes(old)  # its cgroup is readable here: the check after the promotion means something
     promoted = standby.promote(ck, sb.name)
     assert promoted is not None and promoted.container_id == cid and promoted.name == sb.name
     assert promoted.restored_from == ck.id and not freezer.is_frozen(cid)
-    assert _running(docker_client, sb.name) == [cid]  # the failed one is fenced
-    assert old not in [c["Id"] for c in sandbox_containers(docker_client, sb.name, by_name=True)
-                       if c.get("State") == "running"]
+    assert not _processes(old)  # the failed one is fenced: dead in the kernel's view at once
+    wait_until(lambda: _running(docker_client, sb.name) == [cid], 30, "Docker's view of the fence")
     assert http_get(promoted) == h0 + 1  # the server's memory is the checkpoint's
     assert promoted.execute("ls /late")["returncode"] != 0
     n, unbroken = log_state(promoted)
