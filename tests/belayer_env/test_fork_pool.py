@@ -42,7 +42,8 @@ def pools():
         p.close()
 
 
-def test_pooled_forks_start_in_the_pool_and_are_prefix_consistent(make_sandbox, ck_store, docker_client, pools):
+def _source_with_a_pool(make_sandbox, pools):
+    """A sandbox with a file, a counter and a server (its first count), and a pool of 2 filling."""
     src = make_sandbox()
     assert src.execute("mkdir -p /data && echo base > /data/shared")["returncode"] == 0
     start_counter(src)
@@ -51,6 +52,11 @@ def test_pooled_forks_start_in_the_pool_and_are_prefix_consistent(make_sandbox, 
     pool = ForkPool(src, 2)
     pools.append(pool)
     pool.fill()
+    return src, h0, pool
+
+
+def test_pooled_forks_start_in_the_pool_and_are_prefix_consistent(make_sandbox, ck_store, docker_client, pools):
+    src, h0, pool = _source_with_a_pool(make_sandbox, pools)
     assert pool.wait_filled(), f"the pool did not fill: {pool.error}"
     pooled = pool.container_ids()
     managed = {c.id: c for c in list_managed(docker_client)}
@@ -197,14 +203,7 @@ def test_a_pool_verifies_the_newest_checkpoint_ahead_and_its_forks_only_start(ma
                                                                               pools, monkeypatch):
     from belayer_env import forking
 
-    src = make_sandbox()
-    assert src.execute("mkdir -p /data && echo base > /data/shared")["returncode"] == 0
-    start_counter(src)
-    start_server(src)
-    h0 = http_get(src)
-    pool = ForkPool(src, 2)
-    pools.append(pool)
-    pool.fill()
+    src, h0, pool = _source_with_a_pool(make_sandbox, pools)
     ck1 = full_checkpoint(src, ck_store, 1)
     pool.prepare(ck1)
     first = pool.ahead
