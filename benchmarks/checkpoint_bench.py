@@ -385,7 +385,7 @@ def prestaged_restore(client, sb: DockerSandbox, ck, out: dict, *, spare: bool =
     if lost:
         client.api.kill(sb.container_id)
     t0 = time.monotonic()
-    dead = fence_kill(client, sb.name) if lost else []
+    dead = fence_kill(client, sb.name, docker_view=False) if lost else []  # as the env's rollback
     try:
         restored = full_restore(ck, client=client, phase_hook=phases.append, images=images, spare=ahead)
         out["restore_s"].append(time.monotonic() - t0)
