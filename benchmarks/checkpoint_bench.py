@@ -249,6 +249,8 @@ def fork_pooled(client, sb: DockerSandbox, ck, n: int, out: dict | None = None) 
         return fork_all(client, ck, n, pool=pool)
     finally:
         pool.close()
+        if out is not None:
+            sweep_shared_layers(client)  # the copy the pool held ahead: unused now, not left to the next fork
 
 
 FORK_METHODS = ("fork", "fork_copied", "fork_pooled", "fork_ahead")
