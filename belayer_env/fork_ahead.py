@@ -65,6 +65,7 @@ class ForkAhead:
 
     def __init__(self, checkpoint: Checkpoint, client: docker.DockerClient):
         self.checkpoint = checkpoint
+        self._client = client
         self._stack = contextlib.ExitStack()
         self._lock = threading.Lock()
         self._users = 0
@@ -107,7 +108,7 @@ class ForkAhead:
 
     def close(self) -> None:
         """Release the copy's lease and remove the images, once no fork uses them (after a
-        preparation in flight)."""
+        preparation in flight); the copy goes too unless a fork still runs on it (``sweep``)."""
         with self._lock:
             self._closed = True
         self._job.join()
@@ -119,3 +120,5 @@ class ForkAhead:
                 return
             self._released = True
         self._stack.close()
+        with contextlib.suppress(Exception):  # the copy, unused now, is not left holding memory until a gc
+            shared_layer.sweep(self._client, prestaging.docker_root(self._client))
