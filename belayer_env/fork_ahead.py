@@ -12,7 +12,8 @@ the newest checkpoint (``ForkPool.prepare``; ``EnvConfig(fork_pool=n)`` does it 
 published checkpoint): a fork of that checkpoint into the pool then finds the copy ready and
 links the images, and only starts containers. The price: the layer unpacked (in memory where
 it fits, as for any fork) and the images' pages held in memory per env, and one unpack +
-hash of CPU per checkpoint, in the background.
+hash of CPU per checkpoint, in the background. Released, the copy is swept at once unless
+forks still run on it.
 """
 
 from __future__ import annotations
