@@ -95,9 +95,10 @@ def kill_listed(client: docker.DockerClient, sandbox_name: str, found: list[dict
     found = [c for c in found if c["Id"] not in aside]
     for c in found:
         thaw(client, c["Id"], paused=c.get("State") == "paused")
-    if docker_view and aside:
+    killed = [c["Id"] for c in found if _kill_and_rename(client, c["Id"], sandbox_name, docker_view)]
+    if docker_view and aside:  # after the kills: a live container is never kept waiting for this
         wait_not_running(client, aside, sandbox_name)
-    return aside + [c["Id"] for c in found if _kill_and_rename(client, c["Id"], sandbox_name, docker_view)]
+    return aside + killed
 
 
 def fenced_already(listed: dict[str, Any], sandbox_name: str) -> bool:
