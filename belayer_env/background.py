@@ -29,9 +29,6 @@ class Background:
     def join(self) -> None:
         self._thread.join()
 
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:

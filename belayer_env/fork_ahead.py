@@ -117,7 +117,7 @@ class ForkAhead:
 
     def _release_if_idle(self) -> None:
         with self._lock:
-            if not self._closed or self._users or self._released or self._job.running():
+            if not self._closed or self._users or self._released:  # close() joined the job first
                 return
             self._released = True
         self._stack.close()
