@@ -230,6 +230,17 @@ def fork_all(client, ck, n: int, share: bool = True, pool: ForkPool | None = Non
     return elapsed
 
 
+def prepare_ahead(pool: ForkPool, ck) -> float:
+    """``pool.prepare(ck)`` and wait until it is done (as ``EnvConfig(fork_pool=n)`` prepares
+    each published checkpoint, in the background); returns the seconds it took."""
+    t0 = time.monotonic()
+    pool.prepare(ck)
+    assert pool.ahead.borrow(ck, read_manifest_digest(Path(ck.path))[1]) is not None, "nothing prepared"
+    took = time.monotonic() - t0
+    pool.ahead.give_back()
+    return took
+
+
 def fork_pooled(client, sb: DockerSandbox, ck, n: int, out: dict | None = None) -> float:
     """``fork`` into a full pool of ``n`` containers created ahead from ``sb`` (untimed);
     with ``out`` (``fork_ahead``) the pool also verified the checkpoint's shared layer and
@@ -240,11 +251,7 @@ def fork_pooled(client, sb: DockerSandbox, ck, n: int, out: dict | None = None) 
         pool.fill()
         if out is not None:
             settle()
-            t0 = time.monotonic()
-            pool.prepare(ck)
-            assert pool.ahead.borrow(ck, read_manifest_digest(Path(ck.path))[1]) is not None, "nothing prepared"
-            out["prepare_s"].append(time.monotonic() - t0)
-            pool.ahead.give_back()
+            out["prepare_s"].append(prepare_ahead(pool, ck))
         assert pool.wait_filled(), f"the fork pool did not fill: {pool.error}"
         return fork_all(client, ck, n, pool=pool)
     finally:

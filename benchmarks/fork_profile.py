@@ -38,7 +38,6 @@ from belayer_env.checkpoint import (  # noqa: E402
     runtime,
     shared_layer,  # noqa: E402
 )
-from belayer_env.checkpoint.manifest import read_manifest_digest  # noqa: E402
 from belayer_env.docker_api import connect  # noqa: E402
 from belayer_env.fork_pool import ForkPool  # noqa: E402
 from belayer_env.gc import sweep_shared_layers  # noqa: E402
@@ -157,9 +156,7 @@ def profile(client, store: CheckpointStore, scen: str, run_id: str, args: argpar
             if pool is not None:  # filled ahead, untimed, as an env's ``fork_pool``
                 pool.fill()
                 if args.ahead:  # as an env's ``fork_pool`` does when a checkpoint is published
-                    pool.prepare(ck)
-                    assert pool.ahead.borrow(ck, read_manifest_digest(Path(ck.path))[1]) is not None, "nothing prepared"
-                    pool.ahead.give_back()
+                    bench.prepare_ahead(pool, ck)
                 assert pool.wait_filled(), f"the fork pool did not fill: {pool.error}"
                 bench.settle()
                 kw["pool"] = pool
