@@ -102,6 +102,8 @@ class ForkPool:
         """Verify ``checkpoint``'s shared layer and runtime images for its forks now, on a
         thread, and hold them (``fork_ahead``) until the next ``prepare`` (None: none) or
         ``close``; a fork of it into this pool then only starts containers."""
+        if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+            raise UsageError(f"prepare() takes a Checkpoint (or None), got {type(checkpoint).__name__}")
         with self._lock:
             old, self.ahead = self.ahead, None
             if checkpoint is not None and not self._closed and checkpoint.has_runtime:

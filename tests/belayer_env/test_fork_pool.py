@@ -136,6 +136,8 @@ def test_bad_pool_arguments_are_usage_errors(make_sandbox, ck_store, docker_clie
         fork(ck, 1, client=docker_client, pool=pool, names=["x-fork"])
     with pytest.raises(UsageError, match="fork pool"):
         fork(ck, 1, client=docker_client, pool=pool, share=False)
+    with pytest.raises(UsageError, match="takes a Checkpoint"):
+        pool.prepare(ck.id)  # an id, not the checkpoint
     from belayer_env.env import EnvConfig
 
     with pytest.raises((ConfigError, ValueError)):
