@@ -8,7 +8,7 @@ cap's size, loop-mounted over it: upperdir and workdir stay on one mount, as ove
 requires, and a write past the cap fails inside the sandbox with ENOSPC. The sparse file
 is unlinked once mounted, so the host spends only what the sandbox writes, and nothing is
 left behind: Docker's removal of the layer unmounts it, and the loop device detaches itself
-at that unmount (autoclear). CRIU is unaffected (it sees the same overlay root); a restore
+at that unmount (autoclear; ``mounting.loop_mount``, the system calls, not ``mount(8)``). CRIU is unaffected (it sees the same overlay root); a restore
 copies the checkpoint's layer into the new file system (``layer.copy_tree``).
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 from belayer.errors import ConfigError, SandboxLost
 from belayer.procfs import OwnerId
 from belayer.procfs import owner_alive as _label_owner_alive
+from belayer_env import mounting
 
 TOOL_TIMEOUT_S = 60.0
 IMAGE_PREFIX = "belayer-disk-"
@@ -49,9 +50,10 @@ def unsupported(directory: Path) -> str | None:
         return "it mounts a file system, which needs root"
     if not directory.is_dir():
         return f"the container's layer {directory} is not on this machine (a remote Docker daemon?)"
-    for tool in ("mkfs.ext4", "mount"):
-        if not shutil.which(tool):
-            return f"{tool} is not installed"
+    if not shutil.which("mkfs.ext4"):
+        return "mkfs.ext4 is not installed (apt-get install e2fsprogs)"
+    if not os.path.exists(mounting.LOOP_CONTROL):
+        return f"this host has no loop devices ({mounting.LOOP_CONTROL}: modprobe loop)"
     return None
 
 
@@ -71,7 +73,7 @@ def limit_layer(inspect: dict[str, Any], size_bytes: int) -> None:
             f.truncate(size_bytes)
         # -d copies Docker's files (empty diff/ and work/, link, lower) into the new file system
         _run(["mkfs.ext4", *MKFS_OPTS, "-d", str(directory), str(image)], "mkfs.ext4")
-        _run(["mount", "-o", "loop", str(image), str(directory)], "mount")
+        _loop_mount(image, directory)
         os.chmod(directory, 0o710)
     finally:
         image.unlink(missing_ok=True)  # mounted: the loop device holds it; else nothing to keep
@@ -96,7 +98,7 @@ def _copy_times(root: Path, image: Path) -> None:
     mnt = image.with_name(image.name + ".times")
     mnt.mkdir(mode=0o700)
     try:
-        _run(["mount", "-o", "loop", str(image), str(mnt)], "mount")
+        _loop_mount(image, mnt)
         try:
             for dirpath, dirnames, filenames in os.walk(root):
                 rel = Path(dirpath).relative_to(root)
@@ -106,7 +108,10 @@ def _copy_times(root: Path, image: Path) -> None:
             st = os.lstat(root)
             os.utime(mnt, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
-            _run(["umount", str(mnt)], "umount")
+            try:
+                mounting.umount(mnt)
+            except OSError as e:
+                raise SandboxLost(f"sandbox disk limit: {e}") from e
     finally:
         mnt.rmdir()
 
@@ -119,7 +124,7 @@ def mount_layer_image(inspect: dict[str, Any], image: Path) -> None:
     if why := unsupported(directory):
         raise ConfigError(f"cannot apply the sandbox disk limit: {why}; pass disk=None to run without one")
     docker_files = {n: (directory / n).read_bytes() for n in ("link", "lower") if (directory / n).is_file()}
-    _run(["mount", "-o", "loop", str(image), str(directory)], "mount")
+    _loop_mount(image, directory)
     for name, data in docker_files.items():
         (directory / name).write_bytes(data)
     os.chmod(directory, 0o710)
@@ -139,6 +144,13 @@ def usage(inspect: dict[str, Any]) -> int | None:
 
 def owner_alive(name: str) -> bool:
     return _label_owner_alive(name.rpartition("~")[2])
+
+
+def _loop_mount(image: Path, directory: Path) -> None:
+    try:
+        mounting.loop_mount(image, directory)
+    except OSError as e:
+        raise SandboxLost(f"sandbox disk limit: {e}") from e
 
 
 def _run(argv: list[str], what: str) -> None:

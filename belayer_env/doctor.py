@@ -158,14 +158,14 @@ def check_kernel() -> list[Check]:
 
 def check_disk_cap() -> Check:
     """The default sandbox disk cap (``SandboxConfig.disk``) loop-mounts an ext4 per sandbox."""
-    missing = [t for t in ("mkfs.ext4", "mount") if not shutil.which(t)]
+    missing = [t for t in ("mkfs.ext4",) if not shutil.which(t)]
     if os.geteuid() != 0:
         missing.append("root")
     if not os.path.exists("/dev/loop-control"):
         missing.append("loop devices (/dev/loop-control)")
-    return Check("sandbox disk cap", not missing, "mkfs.ext4, mount, loop devices, root" if not missing
+    return Check("sandbox disk cap", not missing, "mkfs.ext4, loop devices, root" if not missing
                  else f"missing: {', '.join(missing)}",
-                 "apt-get install e2fsprogs mount; modprobe loop; run as root — or create sandboxes with disk=None")
+                 "apt-get install e2fsprogs; modprobe loop; run as root — or create sandboxes with disk=None")
 
 
 def check_scratch() -> Check:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 from pathlib import Path
+
+from belayer_env import mounting
 
 MEMORY_MAX_BYTES = 512 << 20
 """Largest ``layer.tar`` unpacked into memory (and at most 1/8 of the host's available
@@ -71,12 +72,10 @@ def try_mount_tmpfs(path: Path, size: int | None, *, source: str, mode: str = "0
     options = ([f"size={size}"] if size is not None else []) + [f"mode={mode}"]
     for extra in ([HUGE_OPTION], []) if huge_supported() else ([],):
         try:
-            p = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options + extra), source, str(path)],
-                               capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        if p.returncode == 0:
+            mounting.mount(source, path, "tmpfs", ",".join(options + extra))
             return True
+        except OSError:
+            continue
     return False
 
 
@@ -97,5 +96,8 @@ def umount(path: Path) -> None:
     """Unmount ``path`` if it is a mount point (lazily if busy: its memory goes with its last user)."""
     if not os.path.ismount(path):
         return
-    if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    try:
+        mounting.umount(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            mounting.umount(path, lazy=True)
