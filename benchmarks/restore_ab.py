@@ -15,6 +15,11 @@ hook set-up builds (swapped in place, atomically, between restores; put back at 
 ``tuned``: ``always`` (CRIU's restore could then map the restored heap with 2 MiB pages),
 flipped between restores, put back as found at the end.
 
+``--knob mount-calls``: every loop and tmpfs mount Belayer makes (a sandbox's disk cap at
+create, a fork's shared layer and images, a restore's unpacks); ``default``: through
+``mount(8)``/``umount(8)`` (what Belayer ran before ``belayer_env/mounting.py``),
+``tuned``: the system calls.
+
 Each round: an agent-like step, one capture, then per variant (alternating order) one
 ``full_restore`` (not pre-staged) and one ``fork(ck, n)``, each timed end to end and
 fenced after.
@@ -26,9 +31,11 @@ Writes benchmarks/results/restore_ab_<knob>.json and .png; Docker + CRIU, root.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plotting import plot_pairs, save_result  # noqa: E402
 from checkpoint_bench import STEP, bench_sandbox, settle, summarize, sweep_shared_layers  # noqa: E402
 
-from belayer_env import loopback  # noqa: E402
+from belayer_env import loopback, mounting  # noqa: E402
 from belayer_env.checkpoint import (  # noqa: E402
     CheckpointStore,
     fast_tar,
@@ -104,7 +111,27 @@ def thp_knob() -> tuple[Callable[[bool], None], Callable[[], None]]:
     return use, lambda: THP.write_text(found)
 
 
-KNOBS = {"tmpfs-tar": tmpfs_tar_knob, "loopback-hook": hook_knob, "thp": thp_knob}
+def _mount8(argv: list[str]) -> None:
+    p = subprocess.run(argv, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise OSError(errno.EIO, f"{' '.join(argv)}: {p.stderr.strip()}")
+
+
+def mount_calls_knob() -> tuple[Callable[[bool], None], Callable[[], None]]:
+    """``mounting``'s three functions, or the same through ``mount(8)`` and ``umount(8)``."""
+    calls = (mounting.loop_mount, mounting.mount, mounting.umount)
+    by_tools = (lambda image, target, fstype="ext4": _mount8(["mount", "-t", fstype, "-o", "loop", str(image), str(target)]),
+                lambda source, target, fstype, options="": _mount8(
+                    ["mount", "-t", fstype, *(["-o", options] if options else []), str(source), str(target)]),
+                lambda target, lazy=False: _mount8(["umount", *(["-l"] if lazy else []), str(target)]))
+
+    def use(on: bool) -> None:
+        mounting.loop_mount, mounting.mount, mounting.umount = calls if on else by_tools
+
+    return use, partial(use, True)
+
+
+KNOBS = {"tmpfs-tar": tmpfs_tar_knob, "loopback-hook": hook_knob, "thp": thp_knob, "mount-calls": mount_calls_knob}
 
 
 def in_process_count(client, cid: str) -> int:
