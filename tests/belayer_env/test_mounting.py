@@ -64,6 +64,22 @@ def test_a_loop_mount_keeps_its_data_and_its_device_goes_with_the_unmount(tmp_pa
     _wait_unbound(image)
 
 
+def test_a_kernel_without_loop_configure_binds_in_two_calls_with_autoclear(tmp_path, monkeypatch):
+    """Before Linux 5.8 there is no ``LOOP_CONFIGURE``: an ioctl this kernel does not know
+    stands in for it, so the ``LOOP_SET_FD`` + ``LOOP_SET_STATUS64`` path runs for real."""
+    monkeypatch.setattr(mounting, "_LOOP_CONFIGURE", 0x4CFF)
+    image, target = _ext4_image(tmp_path / "fs.img"), tmp_path / "mnt"
+    target.mkdir()
+    mounting.loop_mount(image, target)
+    try:
+        [device] = mounting.loop_devices_of(image)
+        assert _mount_of(target) == (device, "ext4")
+        assert Path(f"/sys/block/{Path(device).name}/loop/autoclear").read_text().strip() == "1"
+    finally:
+        mounting.umount(target)
+    _wait_unbound(image)
+
+
 def test_an_unlinked_image_lives_as_long_as_its_mount(tmp_path):
     image, target = _ext4_image(tmp_path / "fs.img"), tmp_path / "mnt"
     target.mkdir()
