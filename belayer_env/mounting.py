@@ -60,7 +60,7 @@ def loop_mount(image: str | Path, target: str | Path, fstype: str = "ext4") -> N
 
 
 def loop_devices_of(image: str | Path) -> list[str]:
-    """The loop devices bound to ``image`` (by its path as bound; for tests and ``doctor``)."""
+    """The loop devices bound to ``image`` (by its path when bound): what a mount holds, or leaked."""
     wanted = os.path.realpath(image)
     found = []
     for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
