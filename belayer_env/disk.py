@@ -8,8 +8,9 @@ cap's size, loop-mounted over it: upperdir and workdir stay on one mount, as ove
 requires, and a write past the cap fails inside the sandbox with ENOSPC. The sparse file
 is unlinked once mounted, so the host spends only what the sandbox writes, and nothing is
 left behind: Docker's removal of the layer unmounts it, and the loop device detaches itself
-at that unmount (autoclear; ``mounting.loop_mount``, the system calls, not ``mount(8)``). CRIU is unaffected (it sees the same overlay root); a restore
-copies the checkpoint's layer into the new file system (``layer.copy_tree``).
+at that unmount (autoclear; ``mounting.loop_mount``: the system calls, not ``mount(8)``).
+CRIU is unaffected (it sees the same overlay root); a restore copies the checkpoint's layer
+into the new file system (``layer.copy_tree``).
 """
 
 from __future__ import annotations

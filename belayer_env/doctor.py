@@ -10,6 +10,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 
 from belayer.procfs import mount_of
+from belayer_env import mounting
 from belayer_env.config import DEFAULT_IMAGE
 
 SETUP = "bash scripts/setup.sh"
@@ -158,11 +159,11 @@ def check_kernel() -> list[Check]:
 
 def check_disk_cap() -> Check:
     """The default sandbox disk cap (``SandboxConfig.disk``) loop-mounts an ext4 per sandbox."""
-    missing = [t for t in ("mkfs.ext4",) if not shutil.which(t)]
+    missing = [] if shutil.which("mkfs.ext4") else ["mkfs.ext4"]
     if os.geteuid() != 0:
         missing.append("root")
-    if not os.path.exists("/dev/loop-control"):
-        missing.append("loop devices (/dev/loop-control)")
+    if not os.path.exists(mounting.LOOP_CONTROL):
+        missing.append(f"loop devices ({mounting.LOOP_CONTROL})")
     return Check("sandbox disk cap", not missing, "mkfs.ext4, loop devices, root" if not missing
                  else f"missing: {', '.join(missing)}",
                  "apt-get install e2fsprogs; modprobe loop; run as root — or create sandboxes with disk=None")
