@@ -485,29 +485,50 @@ def summarize(samples: list[float]) -> dict:
             "n": len(s)}
 
 
+ROWS = (("belayer", "frozen_s", "frozen: incremental capture"), ("paused", "frozen_s", "frozen: paused capture"),
+        ("docker", "frozen_s", "frozen: docker checkpoint"),
+        ("standby", "restore_s", "rollback onto a standby"), ("prestaged_spare", "restore_s", "restore: lost, into a spare"),
+        ("prestaged_lost", "restore_s", "restore: lost, pre-staged"), ("prestaged", "restore_s", "restore: pre-staged"),
+        ("prestaged_copied", "restore_s", "restore: pre-staged, copied"), ("belayer", "restore_s", "restore: not pre-staged"),
+        ("docker", "restore_s", "restore: docker start --checkpoint"), ("cold", "restore_s", "cold create + start"),
+        ("fork_ahead", "restore_s", "fork xN: pool, verified ahead"), ("fork_pooled", "restore_s", "fork xN: pool"),
+        ("fork", "restore_s", "fork xN: shared layer"), ("fork_copied", "restore_s", "fork xN: a copy each"))
+"""The plot's rows (method, metric, label), Belayer's paths first, each group above its baselines."""
+TARGETS_MS = {("belayer", "frozen_s"): 100, ("standby", "restore_s"): 50, ("prestaged_spare", "restore_s"): 300,
+              ("prestaged_lost", "restore_s"): 300, ("fork_ahead", "restore_s"): 1000,
+              ("fork_pooled", "restore_s"): 1000, ("fork", "restore_s"): 1000}
+"""Issue 15's targets (p50, ms), drawn on the rows they apply to (the restore target is the heavy one's)."""
+
+
 def plot(result: dict, path: Path) -> None:
+    """One panel per scenario, one labelled bar per (method, figure): p50, whisker to p90,
+    the issue's target as a red tick where one applies; Docker's own paths and the cold
+    start in grey."""
     from _plotting import pyplot
 
     plt = pyplot()
     if plt is None:
         return
-    metrics = ["frozen_s", "total_s", "restore_s"]
-    fig, axes = plt.subplots(1, len(result["scenarios"]), figsize=(13, 4.5), squeeze=False)
-    axes = axes[0]
-    for ax, (scen, data) in zip(axes, result["scenarios"].items(), strict=False):
-        methods = [m for m in METHODS if m in data]
-        x = range(len(metrics))
-        w = 0.8 / len(methods)
-        for j, method in enumerate(methods):
-            vals = [data[method].get(m, {}).get("p50", 0) * 1e3 for m in metrics]
-            p90 = [data[method].get(m, {}).get("p90", 0) * 1e3 for m in metrics]
-            ax.bar([k + j * w for k in x], vals, width=w, label=LABELS[method],
-                   yerr=[[0] * len(vals), [max(b - a, 0) for a, b in zip(vals, p90, strict=True)]], capsize=2)
-        ax.set_xticks([k + 0.4 - w / 2 for k in x], metrics)
-        ax.set_title(f"{scen} (bar p50, whisker p90, ms, log)")
-        ax.set_yscale("log")
-        ax.set_ylabel("ms")
-    axes[0].legend(fontsize=8)
+    scenarios = list(result["scenarios"])
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(7.5 * len(scenarios), 6.5), squeeze=False)
+    for ax, scen in zip(axes[0], scenarios, strict=True):
+        data = result["scenarios"][scen]
+        rows = [(m, k, label) for m, k, label in ROWS if k in data.get(m, {})]
+        for y, (method, metric, _) in enumerate(rows):
+            p50, p90 = (data[method][metric][q] * 1e3 for q in ("p50", "p90"))
+            grey = method in ("docker", "cold")
+            ax.barh(y, p50, xerr=[[0], [max(p90 - p50, 0)]], capsize=2, height=0.7,
+                    color="0.65" if grey else f"C{['frozen_s', 'restore_s'].index(metric)}")
+            ax.text(max(p50, p90) * 1.06, y, f"{p50:.0f}", va="center", fontsize=7)
+            target = TARGETS_MS.get((method, metric))
+            if target is not None and (scen == "heavy" or method in ("belayer", "standby") or "fork" in method):
+                ax.plot([target, target], [y - 0.45, y + 0.45], color="red", lw=1.5)
+        ax.set_yticks(range(len(rows)), [label.replace("xN", f"x{result.get('fork_n', 'N')}") for *_, label in rows],
+                      fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (bar p50, whisker p90, log; red: target)")
+        ax.set_title(f"{scen}: {result.get('runs', '?')} runs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

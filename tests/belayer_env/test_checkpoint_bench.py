@@ -37,6 +37,7 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
             "belayer", "paused", "prestaged", "prestaged_lost", "prestaged_spare", "prestaged_copied", "standby",
             "fork", "fork_copied", "fork_pooled", "fork_ahead", "docker", "cold"}
         assert idle["belayer_detail"], "the incremental capture's breakdown is reported"
+        assert out.with_suffix(".png").stat().st_size > 0, "the run's plot is written beside its JSON"
         assert idle["fork"]["restore_s"]["n"] == 1 and idle["standby"]["restore_s"]["n"] == 1
         assert not docker_client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"})
         assert not docker_client.api.images(name=f"belayer-bench:{run_id}-*")
