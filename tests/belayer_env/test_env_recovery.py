@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from belayer_env.checkpoint.prestaging import discard_copies
 from belayer_env.faults import TransportBreaker, kill_container, kill_processes, oom_container
 from belayer_env.policy import AlwaysPolicy
 from belayer_env.treehash import tree_hash
@@ -145,6 +146,12 @@ def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(make_env, docker_c
     env.settle()
     newest = env.checkpointer.ready[-1]
     assert newest.step == 2
+    # The corruption must be what the restore reads. A copy pre-staged (and verified) before
+    # the bytes flip would restore boundary 2 intact; that race went either way under load
+    # (seen in a CI rehearsal). So let the pre-staging end, drop its copy, then corrupt.
+    staging = [p for p in env.checkpointer._prestaging if p.checkpoint is not None and p.checkpoint.id == newest.id]
+    assert all(p.prestaged.wait(120) for p in staging), "boundary 2's pre-staging did not end within 120 s"
+    discard_copies(docker_client, newest.id)
     biggest = max((os.path.join(d, f) for d, _, fs in os.walk(newest.path) for f in fs), key=os.path.getsize)
     with open(biggest, "r+b") as f:  # flip bytes in the middle: checksums must catch it
         f.seek(os.path.getsize(biggest) // 2)

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import openai
@@ -64,7 +65,29 @@ def _complete(engine, prompt: str) -> tuple[list[int], dict]:
     return list(choice.model_extra["token_ids"]), out.model_extra["belayer"]
 
 
-def _stream(engine, prompt: str, first_token: threading.Event, out: dict) -> None:
+class _HoldServer:
+    """SIGSTOPs the serving SGLang server's process group from inside the stream reader that
+    completes the set of started streams, at that chunk: no stream can end between "every
+    stream has tokens" and the fault that follows. A signal sent by the test's main thread once
+    it woke up came after all three 48-token streams had ended (a CI rehearsal at load 9)."""
+
+    def __init__(self, engine, streams: int):
+        self._pgid = os.getpgid(engine.worker_pid(0))
+        self._streams, self._seen, self._lock = streams, set(), threading.Lock()
+        self.held = threading.Event()
+
+    def started(self, stream: int) -> None:
+        with self._lock:
+            self._seen.add(stream)
+            if len(self._seen) == self._streams and not self.held.is_set():
+                os.killpg(self._pgid, signal.SIGSTOP)  # a SIGKILL or a cold restart ends it
+                self.held.set()
+
+    def wait(self, what: str) -> None:
+        assert self.held.wait(START_S), f"{what} before the fault"
+
+
+def _stream(engine, prompt: str, on_tokens, out: dict) -> None:
     ids, text, belayer = [], [], None
     stream = _client(engine).completions.create(
         model="belayer-default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
@@ -74,7 +97,7 @@ def _stream(engine, prompt: str, first_token: threading.Event, out: dict) -> Non
         ids.extend(extra.get("token_ids") or [])
         text.append(chunk.choices[0].text if chunk.choices else "")
         if len(ids) >= 4:
-            first_token.set()
+            on_tokens()
         belayer = chunk.model_extra.get("belayer") or belayer
     out.update(ids=ids, text="".join(text), belayer=belayer)
 
@@ -133,14 +156,13 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
 
     engine.wait_ready(timeout=START_S)
     old_pid = engine.worker_pid(0)
-    started = [threading.Event() for _ in PROMPTS]
+    hold = _HoldServer(engine, len(PROMPTS))
     results = [{} for _ in PROMPTS]
-    threads = [threading.Thread(target=_stream, args=(engine, p, started[i], results[i]))
+    threads = [threading.Thread(target=_stream, args=(engine, p, partial(hold.started, i), results[i]))
                for i, p in enumerate(PROMPTS)]
     for t in threads:
         t.start()
-    for ev in started:
-        assert ev.wait(START_S), "every stream delivered tokens before the kill"
+    hold.wait("every stream delivered tokens")
     os.killpg(old_pid, signal.SIGKILL)  # the whole SGLang server: HTTP, scheduler, detokenizer
     for t in threads:
         t.join(START_S)
@@ -171,14 +193,13 @@ def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
     kept = ArenaClient(engine.arena_socket()).describe()["version"]  # the last engine.update_weights
     arena_pid = engine.status()["slots"]["w0"]["arena_pid"]
     since = time.monotonic()
-    started, res = threading.Event(), {}
-    t = threading.Thread(target=_stream, args=(engine, PROMPTS[1], started, res))
-    t.start()
-    assert started.wait(START_S)
-    # hold the stream mid-flight: a 48-token stream on an idle server can finish before the
+    # the stream held mid-flight: a 48-token stream on an idle server can finish before the
     # cold path reaches its server, and then nothing was there to continue (seen in CI);
     # the cold restart SIGKILLs the stopped group
-    os.killpg(os.getpgid(engine.worker_pid(0)), signal.SIGSTOP)
+    hold, res = _HoldServer(engine, 1), {}
+    t = threading.Thread(target=_stream, args=(engine, PROMPTS[1], partial(hold.started, 0), res))
+    t.start()
+    hold.wait("the stream delivered tokens")
     os.kill(arena_pid, signal.SIGKILL)
     engine.wait_event("cold_restart", since, timeout=START_S)
     t.join(START_S * 2)
@@ -188,7 +209,7 @@ def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
     assert res["belayer"]["weight_versions"] == [kept], "the new arena got the kept weights and their version"
 
 
-def _stream_choices(engine, prompt: str, n: int, max_tokens: int, started: threading.Event, out: dict) -> None:
+def _stream_choices(engine, prompt: str, n: int, max_tokens: int, on_tokens, out: dict) -> None:
     ids = {i: [] for i in range(n)}
     lps = {i: [] for i in range(n)}
     summaries = {}
@@ -202,7 +223,7 @@ def _stream_choices(engine, prompt: str, n: int, max_tokens: int, started: threa
             if c.finish_reason:
                 summaries[c.index] = chunk.model_extra["belayer"]
         if min(len(v) for v in ids.values()) >= 4:
-            started.set()
+            on_tokens()
     out.update(ids=ids, lps=lps, summaries=summaries)
 
 
@@ -223,10 +244,10 @@ def test_logprobs_and_n_pass_through_and_survive_a_sigkill(engine):
     assert all(v <= 0 for v in want_lp.token_logprobs) and all(len(d) >= 1 for d in want_lp.top_logprobs)
     assert want.model_extra["prompt_token_ids"], "the prompt's ids come back with return_token_ids"
 
-    old_pid, started, res = engine.worker_pid(0), threading.Event(), {}
-    t = threading.Thread(target=_stream_choices, args=(engine, PROMPTS[2], 2, max_tokens, started, res))
+    old_pid, hold, res = engine.worker_pid(0), _HoldServer(engine, 1), {}
+    t = threading.Thread(target=_stream_choices, args=(engine, PROMPTS[2], 2, max_tokens, partial(hold.started, 0), res))
     t.start()
-    assert started.wait(START_S), "both choices delivered tokens before the kill"
+    hold.wait("both choices delivered tokens")
     os.killpg(old_pid, signal.SIGKILL)
     t.join(START_S)
     assert not t.is_alive(), "the stream finished after the kill"
