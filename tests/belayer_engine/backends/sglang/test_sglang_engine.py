@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 PROMPTS = ["The rope holds", "Belayer keeps the climber", "A third concurrent stream"]
 MAX_TOKENS = 48
-# The streams a fault hits: seconds of decoding on these CPUs, not a fraction of one (_HoldServer).
+# The streams a fault hits: long enough that a late-starting one still finds the others running.
 HELD_TOKENS = 256
 START_S = 600.0  # two SGLang servers per slot on a loaded 2-core machine
 # CI runs these on CPU; on a GPU machine `BELAYER_TEST_DEVICE=cuda:0` runs the same tests there
@@ -68,22 +68,37 @@ def _complete(engine, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[list[i
 
 
 class _HoldServer:
-    """SIGSTOPs the serving SGLang server's process group from inside the stream reader that
-    completes the set of started streams, at that chunk: no stream can end between "every
-    stream has tokens" and the fault that follows. Still, the readers can be late: two CI runs
-    saw every 48-token stream end in the server before its reader had seen four tokens (the
-    readers and the router, in this process, starved by the server's decode threads). Hence
-    HELD_TOKENS-long streams and a server that yields the CPU to them."""
+    """Runs the serving SGLang server's process group in short slices (SIGCONT, a few ms,
+    SIGSTOP) until the stream reader that completes the set of started streams stops it for
+    good, at that chunk: the fault that follows lands while the streams are mid-generation,
+    however late this process's readers run. Unpaced, two CI runs saw the server end every
+    48-token stream before its reader had four tokens, and a rehearsal with 256-token streams
+    and the server at nice 19 did too (stream readers and router share this process's one
+    interpreter lock while the server decodes on the other core)."""
+
+    RUN_S, PAUSE_S = 0.005, 0.095  # pacing, not synchronisation: the server gets a few % of a core
 
     def __init__(self, engine, streams: int):
         self._pgid = os.getpgid(engine.worker_pid(0))
-        # SGLang's decode keeps both cores busy with torch threads: at nice 19 the server yields
-        # the CPU to this process's stream readers (and the router in it) whenever they can run,
-        # so the readers are not starved while the server races to the end of every stream
-        os.setpriority(os.PRIO_PGRP, self._pgid, 19)
         self._streams, self._seen, self._lock = streams, {}, threading.Lock()
         self.held = threading.Event()
         self.since, self.at_hold = time.monotonic(), None  # what the failure texts report
+        os.killpg(self._pgid, signal.SIGSTOP)
+        threading.Thread(target=self._pace, name="pace-sglang", daemon=True).start()
+
+    def _pace(self) -> None:
+        try:
+            while not self.held.is_set():
+                with self._lock:
+                    if self.held.is_set():
+                        return
+                    os.killpg(self._pgid, signal.SIGCONT)
+                time.sleep(self.RUN_S)
+                with self._lock:
+                    os.killpg(self._pgid, signal.SIGSTOP)
+                self.held.wait(self.PAUSE_S)
+        except ProcessLookupError:  # the group is gone: nothing left to pace
+            return
 
     def started(self, stream: int, tokens: int) -> None:
         with self._lock:
