@@ -75,7 +75,8 @@ class FaultConfig(BaseModel):
     worker_rate_per_min: float = Field(default=2.0, ge=0)
     """Mean SIGKILLs of the inference worker per minute of rollout time (0: none)."""
     worker_min_gap_s: float = Field(default=12.0, ge=0)
-    """Kills closer than the supervisor's unhealthy window would (rightly) exclude the device."""
+    """Least seconds between two kills; each also waits until the last handover is older than the
+    supervisor's unhealthy window (a kill sooner would, rightly, exclude the device)."""
     worker_first_kill_s: float | None = Field(default=None, ge=0)
     """Fixed delay of the first worker kill (a short run then surely sees one); none = random."""
     learner_kill_steps: list[int] = Field(default_factory=lambda: [3])

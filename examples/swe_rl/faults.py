@@ -29,7 +29,10 @@ def wrap_env(env, config: FaultConfig, seed: int):
 
 
 class WorkerKiller:
-    """SIGKILLs the engine's serving worker at random times, only while a shadow is armed."""
+    """SIGKILLs the engine's serving worker at random times, only while the engine is stable: a
+    shadow armed and the last handover older than the supervisor's unhealthy window. A kill
+    sooner would (rightly) exclude the device: a CI run's kill landed 2.3 s after a handover
+    that had taken a cold start, 14 s after the previous kill."""
 
     def __init__(self, engine, config: FaultConfig, seed: int = 0):
         self.engine, self.config = engine, config
@@ -60,11 +63,12 @@ class WorkerKiller:
                 gap = floor + self.rng.expovariate(1.0 / mean)  # mean gap = 60/rate when that exceeds the floor
             if self._stop.wait(gap):  # a schedule interval, not a synchronisation
                 return
-            # kill only a serving worker with an armed shadow; otherwise try again shortly
+            # kill only a stable engine's serving worker; otherwise try again shortly
             gap = None if self._kill_serving_worker() else 0.2
 
     def _kill_serving_worker(self) -> bool:
         with contextlib.suppress(Exception):
+            self.engine.wait_ready(timeout=1.0, stable=True)  # raises while not stable: try again shortly
             slot = self.engine.status()["slots"]["w0"]
             if slot.get("routed") and slot.get("shadow_ready") and slot.get("worker_pid"):
                 os.kill(int(slot["worker_pid"]), signal.SIGKILL)
