@@ -50,6 +50,7 @@ class _Attached:
     version: int
     sock: socket.socket
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting_kv: bool = False  # inside acquire_kv, waiting for the lease (health reports it)
 
     def push(self, msg: dict) -> None:
         try:
@@ -127,7 +128,8 @@ class ArenaServer:
             device_ok, detail = False, f"{type(exc).__name__}: {exc}"
         with self.cond:
             attached = [{"role": a.role, "worker_id": a.worker_id, "pid": a.pid,
-                         "version": a.version, "kv_lease": a.conn_id == self.kv_holder}
+                         "version": a.version, "kv_lease": a.conn_id == self.kv_holder,
+                         "kv_waiting": a.waiting_kv}
                         for a in self.attached.values()]
         return {"status": "ok" if device_ok else "unhealthy", "owner_pid": os.getpid(),
                 "device": str(self.device), "device_ok": device_ok, "device_detail": detail,
@@ -262,8 +264,12 @@ class ArenaServer:
 
     def _acquire_lease(self, conn: _Attached) -> None:
         with self.cond:
-            free = self.cond.wait_for(lambda: self.kv_holder in (None, conn.conn_id),
-                                      self.cfg.lease_wait_s)
+            conn.waiting_kv = True
+            try:
+                free = self.cond.wait_for(lambda: self.kv_holder in (None, conn.conn_id),
+                                          self.cfg.lease_wait_s)
+            finally:
+                conn.waiting_kv = False
             if not free:
                 holder = self.attached.get(self.kv_holder)
                 who = f"{holder.worker_id} (pid {holder.pid})" if holder else "?"

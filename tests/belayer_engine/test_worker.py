@@ -216,6 +216,42 @@ def test_shadow_refuses_until_activated_then_serves_identically(tmp_path, procs,
     assert shadow.post("/belayer/activate")[0] == 200  # idempotent
 
 
+def test_a_weight_update_while_the_shadow_waits_for_the_kv_lease_stalls_neither(tmp_path, procs):
+    """A shadow activating while the old worker still holds the KV lease confirms a weight
+    version pushed meanwhile, and activates once the lease frees: the lease's reply queues
+    behind that push on the shadow's arena connection. (An activation holding the worker's
+    state lock across that wait blocked the push's handler: the update waited for the shadow,
+    the activation for its reply, until the 30 s timeouts; a CI run fell back to a cold start.)"""
+    arena = Arena(tmp_path, "--lease-wait-s", "120")
+    procs.append(arena)
+    live = Worker(arena, tmp_path, name="live")
+    procs.append(live)
+    shadow = Worker(arena, tmp_path, "--shadow", name="shadow")
+    procs.append(shadow)
+    activation: dict = {}
+    activating = threading.Thread(target=lambda: activation.update(answer=shadow.post("/belayer/activate")))
+    activating.start()
+    poll(lambda: any(a["worker_id"] == "shadow" and a["kv_waiting"] for a in arena.client.health()["attached"]),
+         60, "the shadow waiting for the KV lease")
+    norm = init_weights(ModelConfig(), 5)["model.norm.weight"]
+    update: dict = {}
+    updating = threading.Thread(target=lambda: update.update(version=arena.client.update_weights({"model.norm.weight": norm})))
+    updating.start()
+    # the live worker's confirmation is read only after the arena has pushed the version to both
+    poll(lambda: any(a["worker_id"] == "live" and a["version"] == 1 for a in arena.client.health()["attached"]),
+         60, "the live worker serving version 1")
+    assert activating.is_alive(), "the activation still waits for the lease"
+    live.kill9()  # the lease frees: its reply reaches the shadow behind the version push
+    activating.join(60)
+    updating.join(60)
+    assert not activating.is_alive() and not updating.is_alive(), "activation and update ended"
+    assert update.get("version") == 1, "every worker confirmed the update"
+    status, out = activation["answer"]
+    assert status == 200 and out["status"] == "active", out
+    _, state = shadow.get("/belayer/state")
+    assert state["state"] == "active" and state["weight_version"] == 1, state
+
+
 # What a background job of a shell script (``cmd &`` without job control) gets, and so every
 # child of an engine started that way: SIGINT ignored, kept across exec.
 SIGINT_IGNORED = ("-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "

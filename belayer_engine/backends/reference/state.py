@@ -38,7 +38,8 @@ class WorkerState:
         self.worker_id, self.pid = worker_id, os.getpid()
         self.state = "shadow" if shadow else "active"
         self.arena_ok = True
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the scheduler's creation vs a version pushed meanwhile
+        self._activation = threading.Lock()
         self.scheduler: BatchScheduler | None = None
         self._early: tuple[int, int] | None = None  # a version pushed before the engine exists
         self.client = ArenaClient(arena_socket)
@@ -104,9 +105,14 @@ class WorkerState:
             torch.cuda.synchronize(self.device)
 
     def activate(self) -> float:
-        """Shadow -> active; returns seconds taken. Raises UsageError if the lease is held."""
+        """Shadow -> active; returns seconds taken. Raises UsageError if the lease is held.
+
+        Not under ``self.lock``: the arena's reply to acquire_kv can queue behind a weight
+        version pushed meanwhile, whose handler (on the attachment's reader thread) takes that
+        lock. Held here, activation and weight update waited on each other until the request's
+        30 s timeout, and the handover fell back to a cold start (seen in a CI run)."""
         t0 = time.perf_counter()
-        with self.lock:
+        with self._activation:
             if self.state == "active":
                 return 0.0
             if not self.arena_ok:
