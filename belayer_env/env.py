@@ -27,10 +27,12 @@ from pydantic import ConfigDict, Field
 
 from belayer.errors import ConfigError, InfraError, SandboxLost, UsageError
 from belayer.procfs import read_stat
+from belayer_env.background import Background
 from belayer_env.checkpoint.manifest import Checkpoint
 from belayer_env.checkpoint.restore import wait_cleaned
 from belayer_env.checkpointing import Checkpointer
 from belayer_env.config import ResetOptions, SandboxConfig, StrictModel
+from belayer_env.deathwatch import DeathWatch
 from belayer_env.docker_api import connect
 from belayer_env.fence import fence, remove_in_background, sandbox_containers, wait_removed
 from belayer_env.fence import kill as fence_kill
@@ -40,7 +42,7 @@ from belayer_env.policy import CheckpointPolicy, PolicyName, make_policy
 from belayer_env.rewards import Reward, ZeroReward
 from belayer_env.sandbox import DockerSandbox
 from belayer_env.spaces import AnyText
-from belayer_env.trajectory import StepRecord, Trajectory
+from belayer_env.trajectory import InfraEvent, StepRecord, Trajectory
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 OWN_EXITS_TO_END = 2
@@ -81,6 +83,12 @@ class EnvConfig(StrictModel):
     """Keep one container created ahead for the next restore, refilled in the background
     after ``reset`` and each rollback (``fork_pool.RestoreSpare``): a rollback without a
     standby skips Docker's create. Costs a created container (no memory)."""
+    recover_while_idle: bool = False
+    """Watch the sandbox while the agent holds the turn (generates its next action) and, when
+    it dies then, restore the newest ready checkpoint j at once, in the background. The next
+    call finds it restored: ``step`` runs its action on it when j is the agent's boundary
+    (that action never ran, so nothing is replayed), else returns the rollback to j without
+    waiting for a restore. Needs the container's init pid visible here (``deathwatch``)."""
 
 
 class _OneThread:
@@ -144,12 +152,29 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         """The sandbox's raw result of the last committed step (output, returncode)."""
         self._one_thread = _OneThread()
         self._own_exits: dict[int, int] = {}  # boundary -> times an action from it ended the sandbox
+        self._idle_lock = threading.Lock()
+        self._agent_turn = False  # between the env's return and the agent's next call
+        self._idle_recovery: Background | None = None
+        self._idle_outcome: _IdleOutcome | None = None  # for the next step
+        self._watch = DeathWatch(self.client, self._died_while_idle) if config.recover_while_idle else None
+
+    @contextlib.contextmanager
+    def _env_turn(self, what: str) -> Iterator[None]:
+        """One thread at a time; with ``recover_while_idle``, the sandbox is watched from
+        each return until the next call (which first waits for a restore begun meanwhile)."""
+        with self._one_thread(what):
+            self._take_turn()
+            try:
+                yield
+            finally:
+                self._give_turn()
 
     # ------------------------------------------------------------------ gymnasium API
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         """Fresh sandbox (``options``: ``task`` text, ``setup`` command(s), ``image``)."""
-        with self._one_thread("reset"):
+        with self._env_turn("reset"):
+            self._idle_outcome = None  # a new episode: the old one's restore is moot
             return self._reset(seed, options)
 
     def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict]:
@@ -192,8 +217,19 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                      checkpoint: bool = True) -> tuple[str, float, bool, bool, dict]:
         """``step`` with mini-swe-agent's per-call ``cwd``/``timeout``; ``checkpoint=False``
         keeps this boundary out of the checkpoint policy (e.g. mid-way through a message)."""
-        with self._one_thread("step"):
-            return self._step(action, cwd, timeout, checkpoint)
+        with self._env_turn("step"):
+            outcome, self._idle_outcome = self._idle_outcome, None
+            if outcome is not None:
+                if isinstance(outcome.result, BaseException):
+                    raise outcome.result  # every restore attempt failed: as a step's own failure would
+                rollback = outcome.result[4]["belayer"]["rollback"]
+                if rollback["to_step"] < outcome.at_step:  # an older boundary: the agent regenerates from there
+                    outcome.result[4]["belayer"]["recovered_while_idle"] = rollback
+                    return outcome.result
+            result = self._step(action, cwd, timeout, checkpoint)
+            if outcome is not None:  # restored to this very boundary: the action ran once, on the restored sandbox
+                result[4]["belayer"]["recovered_while_idle"] = rollback
+            return result
 
     def _step(self, action: str, cwd: str, timeout: float | None,
               checkpoint: bool) -> tuple[str, float, bool, bool, dict]:
@@ -244,8 +280,14 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def fork(self, n: int) -> list[RecoverableSandboxEnv]:
         """``n`` independent envs at this env's current boundary (see ``belayer_env.fork``)."""
-        with self._one_thread("fork"):
+        with self._env_turn("fork"):
             from belayer_env.forking import fork_env
+
+            outcome = self._idle_outcome
+            if outcome is not None and (isinstance(outcome.result, BaseException)
+                                        or outcome.result[4]["belayer"]["step"] < outcome.at_step):
+                raise SandboxLost(f"sandbox {self.name} died while idle and is not at the agent's boundary any "
+                                  "more: call step() to receive the rollback, then fork")
 
             return fork_env(self, n)
 
@@ -289,12 +331,13 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def settle(self, timeout: float = 60.0) -> None:
         """Wait (bounded) for a capture in flight, e.g. before using ``self.sandbox`` directly."""
-        with self._one_thread("settle"):
+        with self._env_turn("settle"):
             self.checkpointer.settle(len(self.trajectory.steps), timeout)
 
     def close(self) -> None:
         """Remove the sandbox container and every checkpoint this env made (idempotent)."""
-        with self._one_thread("close"):
+        with self._env_turn("close"):
+            self._idle_outcome = None
             for pool in (self.fork_pool, self.restore_spare):
                 if pool is not None:
                     pool.close()
@@ -349,21 +392,21 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     # ------------------------------------------------------------------ recovery
 
-    def _recover(self, error: InfraError, k: int) -> tuple[str, float, bool, bool, dict]:
+    def _recover(self, error: InfraError, k: int, *, while_idle: bool = False) -> tuple[str, float, bool, bool, dict]:
         """Fence, restore boundary j <= k, roll the trajectory back; never retry the action."""
         detected = time.monotonic()
         self.policy.observe_failure()
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
         dead = self._kill_sandbox()
         try:
-            return self._restore_after(error, k, detected, set(dead))
+            return self._restore_after(error, k, detected, set(dead), while_idle)
         finally:
             # removed once the rollback is done: deleting a big dead layer beside the restore
             # slowed a heavy one by ~0.1 s (benchmarks/checkpoint_bench.py, prestaged_lost)
             remove_in_background(self.client, dead)
 
     def _restore_after(self, error: InfraError, k: int, detected: float,
-                       fenced: set[str]) -> tuple[str, float, bool, bool, dict]:
+                       fenced: set[str], while_idle: bool = False) -> tuple[str, float, bool, bool, dict]:
         if self._name_blocked(fenced):
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
             # checkpoints restore under this name, so only boundary 0, under a new name, is left
@@ -392,7 +435,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             self.restore_spare.fill()
         self.checkpointer.discard_after(j)
         self.policy.observe_rollback(j)
-        self.trajectory.rollback(j, at_step=k, error=error, recovery_s=time.monotonic() - detected)
+        self.trajectory.rollback(j, at_step=k, error=error, recovery_s=time.monotonic() - detected,
+                                 while_idle=while_idle)
         self._last_return = time.monotonic()
         observation = self.trajectory.observation_at(j)
         info = {"belayer": {"step": j, "rollback": {"to_step": j, "reason": type(error).__name__}}}
@@ -466,6 +510,64 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
 
     def _record(self, kind: str, at_step: int, error: BaseException | None = None, **extra: Any) -> None:
         self.trajectory.record(kind, at_step, error, **extra)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ deaths while the agent generates
+
+    def _give_turn(self) -> None:
+        if self._watch is None or self._done or self.sandbox is None:
+            return
+        with self._idle_lock:
+            self._agent_turn = True
+            self._watch.arm(self.sandbox.container_id)
+
+    def _take_turn(self) -> None:
+        """The agent calls again: stop watching; a restore begun meanwhile is waited for (its
+        wait is recorded on its rollback event: the part of it the agent's time did not hide)."""
+        if self._watch is None:
+            return
+        with self._idle_lock:
+            self._agent_turn = False
+            self._watch.disarm()
+            recovery, self._idle_recovery = self._idle_recovery, None
+        if recovery is not None:
+            t0 = time.monotonic()
+            recovery.join()  # bounded: the restore's own attempts and waits are
+            if self._idle_outcome is not None and self._idle_outcome.event is not None:
+                self._idle_outcome.event.waited_s = time.monotonic() - t0
+
+    def _died_while_idle(self, generation: int) -> None:
+        """On the watch's thread: the init died while the agent generates; restore now."""
+        with self._idle_lock:
+            if (not self._agent_turn or self._idle_recovery is not None or self._watch is None
+                    or generation != self._watch.generation):
+                return
+            self._idle_recovery = Background(self._recover_idle, name=f"belayer-idle-restore-{self.name}")
+
+    def _recover_idle(self) -> None:
+        k = len(self.trajectory.steps)
+        if self._own_exit() is not None:
+            return  # its init exited by itself (a background job of an action): the next step judges that
+        error = SandboxLost(f"sandbox {self.name} died while the agent was generating its next action")
+        last_return = self._last_return  # the agent's generation goes on: its interval is not reset
+        event = None
+        try:
+            result: tuple | BaseException = self._recover(error, k, while_idle=True)
+            event = next(e for e in reversed(self.trajectory.events) if e.kind == "rollback")  # this one's
+        except Exception as e:  # noqa: BLE001 - raised by the agent's next step, as the step's own recovery would
+            result = e
+        finally:
+            self._last_return = last_return
+        self._idle_outcome = _IdleOutcome(at_step=k, result=result, event=event)
+
+
+class _IdleOutcome:
+    """What a restore begun while the agent generated left for its next step: the rollback's
+    step result (observation of boundary j, info), or the error that ended the episode."""
+
+    def __init__(self, at_step: int, result: tuple | BaseException, event: InfraEvent | None):
+        self.at_step = at_step
+        self.result = result
+        self.event = event  # the rollback event (its ``waited_s`` is filled in by the next call)
 
 
 def with_overrides(config: EnvConfig | None, overrides: dict[str, Any]) -> EnvConfig:

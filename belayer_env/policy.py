@@ -179,7 +179,13 @@ class AdaptivePolicyConfig(StrictModel):
     explore: bool = True
     """Take the first possible checkpoint to measure the capture time (else the prior rules)."""
     cooldown_s: float = Field(20.0, ge=0)
-    """After a timed-out or failed capture, take no new one for this long."""
+    """After a timed-out capture, or ``failures_to_cool`` failed ones in a row, take no new
+    one for this long. One failure alone does not cool: most are the sandbox's own death (a
+    fault the rollback handles) or a stranger's process in it, and a cooldown longer than the
+    episode left the rest of it without checkpoints, failures then costing whole episodes."""
+    failures_to_cool: int = Field(2, ge=1)
+    """Failed (not timed-out) captures in a row, none ready in between, that start a cooldown
+    (a mechanism that keeps failing, e.g. a process tree CRIU cannot dump)."""
     standby_reserve_bytes: int = Field(STANDBY_RESERVE_BYTES, ge=0)
     """Keep no standby that would leave the host less memory than this."""
     standby_cpu_weight: float = Field(0.05, ge=0)
@@ -204,6 +210,7 @@ class AdaptivePolicy:
         self._ready_step = 0
         self._reset_s: float | None = None  # boundary 0's cost (a fresh sandbox + setup), if told
         self._zero_ready = False  # a checkpoint of boundary 0 is ready: a failure keeps the setup
+        self._failed_in_row = 0  # captures failed since the last ready one
 
     # what was learned lives in ``estimates`` (possibly shared): read-only views
     steps = property(lambda self: self.estimates.steps)
@@ -296,13 +303,16 @@ class AdaptivePolicy:
         self.estimates.update("capture_s", max(0.0, total_s), self.config.smoothing)
 
     def observe_capture_failed(self, timed_out: bool) -> None:
-        self.cooldown_until = self.clock() + self.config.cooldown_s
+        self._failed_in_row += 1
+        if timed_out or self._failed_in_row >= self.config.failures_to_cool:
+            self.cooldown_until = self.clock() + self.config.cooldown_s
         if timed_out:  # the capture cost at least the whole budget
             self.estimates.update("capture_s", self.config.capture_timeout_s, self.config.smoothing,
                                   prior=self.config.capture_s)
 
     def observe_ready(self, step: int) -> None:
         self.estimates.count(readies=1)
+        self._failed_in_row = 0
         self._ready_step = max(self._ready_step, min(step, len(self._cost_by_step)))
         self._zero_ready = self._zero_ready or step == 0
 

@@ -43,6 +43,11 @@ class InfraEvent(BaseModel):
     time: float = Field(default_factory=time.time)
     recovery_s: float | None = None
     """``rollback``: seconds from the failure's detection to the restored sandbox (fence + restore)."""
+    while_idle: bool = False
+    """``rollback``: the sandbox died while the agent held the turn and was restored in the
+    background (``EnvConfig.recover_while_idle``); no action was interrupted."""
+    waited_s: float | None = None
+    """``rollback`` while idle: how long the agent's next call waited for that restore to end."""
 
 
 class Trajectory(BaseModel):
@@ -56,13 +61,14 @@ class Trajectory(BaseModel):
         self.steps.append(record)
 
     def rollback(self, to_step: int, *, at_step: int, error: BaseException | None,
-                 regenerate_from: int | None = None, recovery_s: float | None = None) -> InfraEvent:
+                 regenerate_from: int | None = None, recovery_s: float | None = None,
+                 while_idle: bool = False) -> InfraEvent:
         discarded = len(self.steps) - to_step
         del self.steps[to_step:]
         event = InfraEvent(kind="rollback", at_step=at_step, to_step=to_step,
                            error=type(error).__name__ if error else None,
                            message=str(error)[:2000] if error else None, discarded_steps=discarded,
-                           recovery_s=recovery_s)
+                           recovery_s=recovery_s, while_idle=while_idle)
         self.events.append(event)
         return event
 

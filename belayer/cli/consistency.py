@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep a standby sandbox (pre-restored, frozen); faults also hit its preparation and thaw")
     p.add_argument("--spare", action="store_true",
                    help="keep a restore spare (a container created ahead): restores, and their faults, start in it")
+    p.add_argument("--recover-while-idle", action="store_true",
+                   help="restore a sandbox that dies between actions in the background; faults also hit it "
+                        "while the scripted agent thinks")
     p.add_argument("--out", metavar="FILE", help="append each trial as a JSON line to FILE (long runs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = run_consistency(args.trials, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                                 standby=args.standby, spare=args.spare, progress=progress)
+                                 standby=args.standby, spare=args.spare, idle=args.recover_while_idle,
+                                 progress=progress)
     finally:
         if out is not None:
             out.close()

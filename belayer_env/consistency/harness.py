@@ -11,7 +11,10 @@ With ``standby=True`` the env keeps a standby (checkpoint/standby.py) and a four
 fault hits it: while it is prepared (``standby_frozen``) or while a rollback thaws it
 (``standby_thawed``; an action is killed to cause that rollback). With ``spare=True``
 restores start in a container created ahead (``EnvConfig(restore_spare=True)``), restore
-faults included.
+faults included. With ``idle=True`` the env restores a sandbox that dies between actions in
+the background (``EnvConfig(recover_while_idle=True)``) and a fifth kind of fault kills the
+sandbox while the scripted agent "thinks" after an action (a random think time, the fault at
+a random instant that may fall into it or into the next action).
 A trial passes iff its final state equals the golden one and every effect happened
 exactly once. A trial that cannot finish is a counterexample too, never skipped.
 """
@@ -32,7 +35,10 @@ from belayer_env.faults import ACTION_FAULTS, FaultInjector
 from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
 from belayer_env.policy import AlwaysPolicy
 
-Where = Literal["action", "checkpoint", "restore", "standby"]
+Where = Literal["action", "checkpoint", "restore", "standby", "idle"]
+IDLE_FAULTS = ("kill", "oom", "kill_processes")
+THINK_S = 1.0
+"""Longest think time of the scripted agent after the action an idle fault follows."""
 STANDBY_PHASES = (Phase.STANDBY_FROZEN, Phase.STANDBY_THAWED)
 STANDBY_WAIT_S = 120.0
 INFRA_WORDS = ("SandboxLost", "DaemonUnavailable", "RestoreFailed", "CheckpointFailed", "InjectedFault",
@@ -47,6 +53,8 @@ class Fault(BaseModel):
     kind: str
     delay_s: float = 0.0
     phase: str | None = None
+    think_s: float = 0.0
+    """``idle``: the agent's think time before its next action (the fault fires ``delay_s`` in)."""
     fired: bool = False
 
 
@@ -81,14 +89,16 @@ class _Golden(BaseModel):
     duration_s: float
 
 
-def _make_env(checkpoint_every: int, standby: bool = False, spare: bool = False) -> RecoverableSandboxEnv:
+def _make_env(checkpoint_every: int, standby: bool = False, spare: bool = False,
+              idle: bool = False) -> RecoverableSandboxEnv:
     policy = AlwaysPolicy(every=checkpoint_every)
-    return RecoverableSandboxEnv(EnvConfig(keep_checkpoints=N_STEPS, standby=standby, restore_spare=spare),
+    return RecoverableSandboxEnv(EnvConfig(keep_checkpoints=N_STEPS, standby=standby, restore_spare=spare,
+                                           recover_while_idle=idle),
                                  checkpoint_policy=policy)
 
 
-def _golden(checkpoint_every: int, standby: bool = False, spare: bool = False) -> _Golden:
-    env = _make_env(checkpoint_every, standby, spare)
+def _golden(checkpoint_every: int, standby: bool = False, spare: bool = False, idle: bool = False) -> _Golden:
+    env = _make_env(checkpoint_every, standby, spare, idle)
     t0 = time.monotonic()
     try:
         env.reset(options={"setup": SETUP})
@@ -108,8 +118,14 @@ def _golden(checkpoint_every: int, standby: bool = False, spare: bool = False) -
         env.close()
 
 
-def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int, standby: bool = False) -> Fault:
-    where: Where = rng.choice(["action", "checkpoint", "restore", *(["standby"] if standby else [])])
+def _draw_fault(rng: random.Random, golden: _Golden, checkpoint_every: int, standby: bool = False,
+                idle: bool = False) -> Fault:
+    where: Where = rng.choice(["action", "checkpoint", "restore", *(["standby"] if standby else []),
+                               *(["idle"] if idle else [])])
+    if where == "idle":
+        think = rng.uniform(0, THINK_S)
+        return Fault(where=where, step=rng.randint(1, N_STEPS - 1), kind=rng.choice(IDLE_FAULTS),
+                     delay_s=rng.uniform(0, think * 1.2), think_s=think)
     if where == "action":
         step = rng.randint(1, N_STEPS)
         return Fault(where=where, step=step, kind=rng.choice(ACTION_FAULTS),
@@ -169,6 +185,10 @@ class _Injector:
 
     def after_call(self, committed: int) -> None:
         f = self.fault
+        if not self.fired and f.where == "idle" and committed == f.step:
+            self.faults.fire(f.kind, f.delay_s)  # type: ignore[arg-type]
+            time.sleep(f.think_s)  # the agent generating its next action (the workload, not a wait for the fault)
+            return
         if not self.fired and f.where == "standby" and committed == f.step:
             self.faults.arm("restore", f.phase, f.kind)  # type: ignore[arg-type]
             return
@@ -191,8 +211,8 @@ class _Injector:
 
 
 def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
-              standby: bool = False, spare: bool = False) -> TrialResult:
-    env = _make_env(checkpoint_every, standby, spare)
+              standby: bool = False, spare: bool = False, idle: bool = False) -> TrialResult:
+    env = _make_env(checkpoint_every, standby, spare, idle)
     injector = _Injector(env, fault)
     t0 = time.monotonic()
     result = TrialResult(trial=trial, fault=fault, ok=False)
@@ -208,6 +228,11 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
             obs, _r, _te, _tr, info = env.step(ACTIONS[committed])
             result.problems += [f"infra text {w!r} in an observation" for w in INFRA_WORDS if w in obs]
             rollback = info["belayer"].get("rollback")
+            restored = info["belayer"].get("recovered_while_idle")
+            if restored is not None and rollback is None:  # restored at this boundary, then the action ran
+                result.rollbacks.append(restored["to_step"])
+                if restored["to_step"] != committed:
+                    result.problems.append(f"restored while idle to {restored['to_step']}, not to boundary {committed}")
             if rollback is not None:
                 result.rollbacks.append(rollback["to_step"])
                 committed = rollback["to_step"]
@@ -228,6 +253,8 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
                     state = probe(env.sandbox)
                 except InfraError:
                     _obs, _r, _te, _tr, info = env.step("true")
+                    if "recovered_while_idle" in info["belayer"] and "rollback" not in info["belayer"]:
+                        result.rollbacks.append(committed)
                     if "rollback" in info["belayer"]:
                         committed = info["belayer"]["rollback"]["to_step"]
                         del seen[committed + 1:]
@@ -240,7 +267,8 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
     finally:
         result.fault.fired = injector.fired
         injector.faults.close()
-        result.events = [f"{e.kind}@{e.at_step}->{e.to_step}: {e.error}: {(e.message or '')[:160]}"
+        result.events = [f"{e.kind}{' (while idle)' if e.while_idle else ''}@{e.at_step}->{e.to_step}: "
+                         f"{e.error}: {(e.message or '')[:160]}"
                          for e in env.trajectory.events]
         env.close()
     if state is not None:
@@ -254,19 +282,20 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
 
 
 def run_consistency(trials: int, *, seed: int = 0, checkpoint_every: int = 2, standby: bool = False,
-                    spare: bool = False,
+                    spare: bool = False, idle: bool = False,
                     progress: Callable[[TrialResult], None] | None = None) -> ConsistencyReport:
     """Golden run, then ``trials`` faulty trials; counterexamples are reported, never hidden.
 
     ``standby``: the env keeps a standby and faults also hit its preparation and thaw.
-    ``spare``: the env keeps a restore spare (a container created ahead for restores)."""
+    ``spare``: the env keeps a restore spare (a container created ahead for restores).
+    ``idle``: the env restores deaths between actions in the background, and faults hit there."""
     t0 = time.monotonic()
     rng = random.Random(seed)
-    golden = _golden(checkpoint_every, standby, spare)
+    golden = _golden(checkpoint_every, standby, spare, idle)
     results = []
     for i in range(trials):
-        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every, standby), golden, checkpoint_every, standby,
-                      spare)
+        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every, standby, idle), golden, checkpoint_every,
+                      standby, spare, idle)
         results.append(r)
         if progress:
             progress(r)

@@ -47,7 +47,8 @@ def make_env(task: Task, cfg: AgentConfig) -> RecoverableSandboxEnv:
     """A sandbox env for ``task``: the repo's directory, limits, and its tests as the reward."""
     sandbox = SandboxConfig(cwd=REPO_DIR, timeout=cfg.command_timeout_s, memory="256m")
     policy = AdaptivePolicy(estimates=ESTIMATES) if cfg.checkpoint_policy == "adaptive" else cfg.checkpoint_policy
-    return RecoverableSandboxEnv(EnvConfig(sandbox=sandbox, max_steps=cfg.max_turns, standby=cfg.standby),
+    return RecoverableSandboxEnv(EnvConfig(sandbox=sandbox, max_steps=cfg.max_turns, standby=cfg.standby,
+                                           restore_spare=cfg.restore_spare, recover_while_idle=cfg.recover_while_idle),
                                  checkpoint_policy=policy,
                                  reward=CommandReward(task.test_command, timeout=cfg.command_timeout_s))
 
@@ -61,10 +62,14 @@ def _env_events(env: gym.Env, since: int) -> list[dict]:
 
 
 def _recovery_s(env: gym.Env) -> float:
-    """Fence + restore time of the env's latest rollback (0 when the env does not say)."""
+    """Fence + restore time of the env's latest rollback that the agent's step call spent (0
+    when the env does not say): all of it, or what the call waited of a restore begun while
+    the model generated (``recover_while_idle``)."""
     events = getattr(getattr(env.unwrapped, "trajectory", None), "events", [])
     last = next((e for e in reversed(events) if e.kind == "rollback"), None)
-    return (last.recovery_s or 0.0) if last is not None else 0.0
+    if last is None:
+        return 0.0
+    return (last.waited_s or 0.0) if getattr(last, "while_idle", False) else (last.recovery_s or 0.0)
 
 
 class _Active:
@@ -136,6 +141,25 @@ def _run_episode(env: gym.Env, client: openai.OpenAI, task: Task, cfg: AgentConf
             called = time.monotonic()
             _, reward, terminated, truncated, info = chat.step(choice.message.content or "")
             rollback = info.get("belayer", {}).get("rollback")
+            idle = info.get("belayer", {}).get("recovered_while_idle")
+            if idle and not rollback:  # died while the model generated, restored at this boundary:
+                k, now = len(turns) - 1, time.monotonic()  # only the restore's unhidden part was lost
+                waited = _recovery_s(env)
+                # without Belayer this call would have found the sandbox dead: all of the attempt
+                # up to it, then a fresh sandbox and the setup again
+                lost_without = called + waited - from_scratch + reset_s
+                episode.lost_s += waited
+                episode.lost_s_without += lost_without
+                events = _env_events(env, seen_events)
+                seen_events = len(env.unwrapped.trajectory.events)
+                episode.rollbacks.append({
+                    "fault_step": k + 1, "to_step": k, "lost_s": round(waited, 3), "lost_s_without": round(lost_without, 3),
+                    "since_boundary_s": round(called - done_at[k], 3), "step_call_s": round(now - called, 3),
+                    "recovery_s": round(waited, 3), "reset_s": round(reset_s, 3), "while_idle": True,
+                    "active_episodes": ACTIVE.n, "env_events": events, "reason": idle["reason"]})
+                from_scratch = called + waited - (done_at[k] - done_at[0])
+                episode.env_rollbacks += 1
+                episode.infra_events.append(f"env_restored_while_idle:{idle['reason']}->step{k}")
             if rollback:  # the env restored boundary j and chat cut its messages to match
                 k, j, now = len(turns) - 1, chat.boundary, time.monotonic()
                 # boundary 0 restored from its checkpoint keeps the setup; a fresh one does not

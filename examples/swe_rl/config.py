@@ -33,6 +33,12 @@ class AgentConfig(BaseModel):
     standby: bool = True
     """Keep the newest checkpoint pre-restored in a frozen standby when the adaptive policy
     finds it worth its memory and CPU: a rollback onto it is a thaw, not a restore."""
+    restore_spare: bool = True
+    """Keep one container created ahead per env for its next restore (no memory; refilled in
+    the background): a rollback without a standby skips Docker's create."""
+    recover_while_idle: bool = True
+    """Restore a sandbox that dies while the model generates at once, in the background: the
+    next command then runs on the restored sandbox (``EnvConfig.recover_while_idle``)."""
 
 
 class LearnerConfig(BaseModel):
@@ -72,6 +78,11 @@ class FaultConfig(BaseModel):
     """Probability that a given env step gets a container fault."""
     env_kinds: list[str] = Field(default_factory=lambda: ["kill", "oom"])
     """Container faults to draw from (kinds of ``FaultInjection``)."""
+    env_window_s: float = Field(default=1.5, ge=0)
+    """An env fault fires at a uniformly random instant this many seconds from its step's start
+    (about one step cycle here: the command, then the model generating the next one): host,
+    runtime and daemon failures arrive in wall-clock time, not only while a command runs.
+    0.2 puts nearly every fault inside the command (this run's placement until 2026-12-02)."""
     worker_rate_per_min: float = Field(default=2.0, ge=0)
     """Mean SIGKILLs of the inference worker per minute of rollout time (0: none)."""
     worker_min_gap_s: float = Field(default=12.0, ge=0)

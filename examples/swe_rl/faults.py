@@ -1,7 +1,8 @@
 """The fault schedule of a training run: real faults on every side, at configurable rates.
 
 - env: the project's ``FaultInjection`` wrapper kills or OOM-kills the episode's container
-  at a random point of a step (per-step probability ``env_rate``);
+  at a random instant of a step's cycle (per-step probability ``env_rate``, within
+  ``env_window_s`` of the step's start: in the command or while the next one is generated);
 - engine: a thread SIGKILLs the serving worker process (found through the supervisor) at
   exponentially distributed intervals (``worker_rate_per_min``);
 - learner: the orchestrator SIGKILLs the learner process right after it starts saving the
@@ -25,7 +26,7 @@ def wrap_env(env, config: FaultConfig, seed: int):
     from belayer.wrappers.fault_injection import FaultInjection, FaultInjectionConfig
 
     return FaultInjection(env, FaultInjectionConfig(probability=config.env_rate, kinds=config.env_kinds,
-                                                    max_delay_s=0.2, seed=seed))
+                                                    max_delay_s=config.env_window_s, seed=seed))
 
 
 class WorkerKiller:

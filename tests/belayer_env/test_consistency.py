@@ -54,3 +54,13 @@ def test_trials_with_the_standby_path_on_converge():
     assert report.passed == STANDBY_TRIALS and not report.counterexamples, json.dumps(details, indent=1)[:6000]
     assert report.by_where.get("standby", 0) >= 1
     assert report.faults_fired >= STANDBY_TRIALS * 0.9
+
+
+def test_trials_with_restores_while_idle_converge():
+    """``recover_while_idle`` on (and the standby): faults also kill the sandbox while the
+    scripted agent thinks; a restore then runs in the background. Zero counterexamples."""
+    report = run_consistency(STANDBY_TRIALS, seed=124, standby=True, idle=True)
+    details = [(r.fault.model_dump(), r.problems, r.events) for r in report.counterexamples]
+    assert report.passed == STANDBY_TRIALS and not report.counterexamples, json.dumps(details, indent=1)[:6000]
+    assert report.by_where.get("idle", 0) >= 3
+    assert report.faults_fired >= STANDBY_TRIALS * 0.9

@@ -224,3 +224,21 @@ def test_a_deep_copy_is_independent():
     child.observe_failure()
     assert (p.failures, child.failures) == (1, 2)
     assert child.regeneration_cost_s() == p.regeneration_cost_s() == pytest.approx(3.0)
+
+
+def test_one_failed_capture_does_not_cool_down_two_in_a_row_do():
+    """A capture that fails once (its sandbox was killed under it, a stranger's exec ran) must
+    not leave the rest of the episode without checkpoints; one that keeps failing cools."""
+    clock = Clock()
+    p = AdaptivePolicy(clock=clock, capture_s=0.1, cooldown_s=20.0)
+    p.observe_step(1.0, 5.0)
+    p.observe_capture_failed(timed_out=False)
+    assert p.should_checkpoint(1)
+    p.observe_ready(1)  # a ready one in between: the count starts again
+    p.observe_step(1.0, 5.0)
+    p.observe_capture_failed(timed_out=False)
+    assert p.should_checkpoint(2)
+    p.observe_capture_failed(timed_out=False)
+    assert not p.should_checkpoint(2)
+    clock.now += 20.1
+    assert p.should_checkpoint(2)
