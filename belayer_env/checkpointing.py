@@ -221,7 +221,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
 
     def restore(self, committed: int, *, client: docker.DockerClient, wait_s: float, attempts: int,
-                spare: RestoreSpare | None = None) -> tuple[DockerSandbox, int] | None:
+                spare: RestoreSpare | None = None,
+                parts: dict[str, float] | None = None) -> tuple[DockerSandbox, int] | None:
         """Restore the newest ready checkpoint at or below ``committed`` into a fresh container.
 
         A checkpoint whose restore fails twice (``RestoreFailed``: corrupt, or the runtime
@@ -229,12 +230,25 @@ class Checkpointer:
         is retried (the checkpoint is fine, the attempt was not). ``None``: nothing
         usable is left, the caller goes back to the initial state. ``spare``: a container
         created ahead for it (``fork_pool.RestoreSpare``), used if the checkpoint fits it.
+        ``parts`` (optional) adds the seconds spent waiting for a capture (``wait_capture``)
+        and restoring (``restore``).
         """
+        parts = {} if parts is None else parts
+        t = time.monotonic()
         self.poll(committed, wait_s=wait_s)
         if self._pending is not None:  # outlived the wait: not trustworthy in time
             self._pending.cancel()
             self._pending = None
             self.record("checkpoint_abandoned", at_step=committed)
+        parts["wait_capture"] = parts.get("wait_capture", 0.0) + time.monotonic() - t
+        t = time.monotonic()
+        try:
+            return self._restore_newest(committed, client, attempts, spare)
+        finally:
+            parts["restore"] = parts.get("restore", 0.0) + time.monotonic() - t
+
+    def _restore_newest(self, committed: int, client: docker.DockerClient, attempts: int,
+                        spare: RestoreSpare | None) -> tuple[DockerSandbox, int] | None:
         tries, failures = 0, {}
         while self.ready and tries < attempts:
             ckpt = self.ready[-1]

@@ -154,7 +154,18 @@ def check_kernel() -> list[Check]:
               f"{'present' if cr else 'missing'}", "use a kernel built with CONFIG_CHECKPOINT_RESTORE=y"),
         Check("kernel overlayfs", overlay, "overlay in /proc/filesystems" if overlay else "overlay missing",
               "modprobe overlay (or use a kernel with CONFIG_OVERLAY_FS)"),
+        _check_pidfd(),
     ]
+
+
+def _check_pidfd() -> Check:
+    """``EnvConfig(recover_while_idle=True)`` learns of a sandbox's death through a pidfd."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+        ok, detail = True, "pidfd_open works: recover_while_idle can watch sandboxes"
+    except (AttributeError, OSError) as e:
+        ok, detail = False, f"no pidfd_open ({e}): recover_while_idle finds deaths at the next step instead"
+    return Check("pidfd death watch", ok, detail, "use Linux >= 5.3 and Python >= 3.9", required=False)
 
 
 def check_disk_cap() -> Check:

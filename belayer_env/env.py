@@ -398,30 +398,37 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self.policy.observe_failure()
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
         dead = self._kill_sandbox()
+        parts = {"fence": time.monotonic() - detected}
         try:
-            return self._restore_after(error, k, detected, set(dead), while_idle)
+            return self._restore_after(error, k, detected, set(dead), while_idle, parts)
         finally:
             # removed once the rollback is done: deleting a big dead layer beside the restore
             # slowed a heavy one by ~0.1 s (benchmarks/checkpoint_bench.py, prestaged_lost)
             remove_in_background(self.client, dead)
 
-    def _restore_after(self, error: InfraError, k: int, detected: float,
-                       fenced: set[str], while_idle: bool = False) -> tuple[str, float, bool, bool, dict]:
+    def _restore_after(self, error: InfraError, k: int, detected: float, fenced: set[str], while_idle: bool = False,
+                       parts: dict[str, float] | None = None) -> tuple[str, float, bool, bool, dict]:
+        parts = {} if parts is None else parts
+        t = time.monotonic()
         if self._name_blocked(fenced):
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
             # checkpoints restore under this name, so only boundary 0, under a new name, is left
             self._record("restore_failed", at_step=k, error=SandboxLost(f"cannot fence {self.name}"))
             self.checkpointer.discard_after(-1)  # a checkpoint of boundary 0 would restore under it too
             self.name = self._new_name()
+        parts["fence"] = parts.get("fence", 0.0) + time.monotonic() - t
         last: InfraError = error
         restored: tuple[DockerSandbox, int] | None = None
         for _ in range(self.config.recovery_attempts):
             try:
                 restored = self.checkpointer.restore(k, client=self.client, wait_s=self.config.pending_wait_s,
-                                                     attempts=self.config.recovery_attempts, spare=self.restore_spare)
+                                                     attempts=self.config.recovery_attempts, spare=self.restore_spare,
+                                                     parts=parts)
                 if restored is None:
+                    t = time.monotonic()
                     self._fence(wait_removed=False)  # a failed restore may have left a container of this name
                     restored = (self._initial_state(), 0)
+                    parts["initial"] = parts.get("initial", 0.0) + time.monotonic() - t
                 break
             except InfraError as e:  # the fresh sandbox failed too: fence it and try again
                 last = e
@@ -436,7 +443,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         self.checkpointer.discard_after(j)
         self.policy.observe_rollback(j)
         self.trajectory.rollback(j, at_step=k, error=error, recovery_s=time.monotonic() - detected,
-                                 while_idle=while_idle)
+                                 while_idle=while_idle, recovery_parts={n: round(v, 4) for n, v in parts.items()})
         self._last_return = time.monotonic()
         observation = self.trajectory.observation_at(j)
         info = {"belayer": {"step": j, "rollback": {"to_step": j, "reason": type(error).__name__}}}

@@ -43,6 +43,11 @@ class InfraEvent(BaseModel):
     time: float = Field(default_factory=time.time)
     recovery_s: float | None = None
     """``rollback``: seconds from the failure's detection to the restored sandbox (fence + restore)."""
+    recovery_parts: dict[str, float] = Field(default_factory=dict)
+    """``rollback``: where ``recovery_s`` went, in seconds: ``fence`` (the dead sandbox killed
+    and its name freed), ``wait_capture`` (a capture past its thaw, waited for), ``restore``
+    (restores or a standby's promotion, failed attempts included), ``initial`` (a fresh
+    sandbox and the task's setup, when no checkpoint was left)."""
     while_idle: bool = False
     """``rollback``: the sandbox died while the agent held the turn and was restored in the
     background (``EnvConfig.recover_while_idle``); no action was interrupted."""
@@ -62,13 +67,13 @@ class Trajectory(BaseModel):
 
     def rollback(self, to_step: int, *, at_step: int, error: BaseException | None,
                  regenerate_from: int | None = None, recovery_s: float | None = None,
-                 while_idle: bool = False) -> InfraEvent:
+                 while_idle: bool = False, recovery_parts: dict[str, float] | None = None) -> InfraEvent:
         discarded = len(self.steps) - to_step
         del self.steps[to_step:]
         event = InfraEvent(kind="rollback", at_step=at_step, to_step=to_step,
                            error=type(error).__name__ if error else None,
                            message=str(error)[:2000] if error else None, discarded_steps=discarded,
-                           recovery_s=recovery_s, while_idle=while_idle)
+                           recovery_s=recovery_s, while_idle=while_idle, recovery_parts=recovery_parts or {})
         self.events.append(event)
         return event
 

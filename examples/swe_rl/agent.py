@@ -61,6 +61,13 @@ def _env_events(env: gym.Env, since: int) -> list[dict]:
              **({"error": f"{e.error}: {(e.message or '')[:160]}"} if e.error else {})} for e in events[since:] if e.kind != "rollback"]
 
 
+def _recovery_parts(env: gym.Env) -> dict[str, float]:
+    """Where the latest rollback's recovery time went (fence, wait_capture, restore, initial)."""
+    events = getattr(getattr(env.unwrapped, "trajectory", None), "events", [])
+    last = next((e for e in reversed(events) if e.kind == "rollback"), None)
+    return dict(getattr(last, "recovery_parts", None) or {})
+
+
 def _recovery_s(env: gym.Env) -> float:
     """Fence + restore time of the env's latest rollback that the agent's step call spent (0
     when the env does not say): all of it, or what the call waited of a restore begun while
@@ -155,7 +162,8 @@ def _run_episode(env: gym.Env, client: openai.OpenAI, task: Task, cfg: AgentConf
                 episode.rollbacks.append({
                     "fault_step": k + 1, "to_step": k, "lost_s": round(waited, 3), "lost_s_without": round(lost_without, 3),
                     "since_boundary_s": round(called - done_at[k], 3), "step_call_s": round(now - called, 3),
-                    "recovery_s": round(waited, 3), "reset_s": round(reset_s, 3), "while_idle": True,
+                    "recovery_s": round(waited, 3), "recovery_parts": _recovery_parts(env), "reset_s": round(reset_s, 3),
+                    "while_idle": True,
                     "active_episodes": ACTIVE.n, "env_events": events, "reason": idle["reason"]})
                 from_scratch = called + waited - (done_at[k] - done_at[0])
                 episode.env_rollbacks += 1
@@ -176,6 +184,7 @@ def _run_episode(env: gym.Env, client: openai.OpenAI, task: Task, cfg: AgentConf
                 record = {"fault_step": k + 1, "to_step": j, "lost_s": round(lost, 3),
                           "lost_s_without": round(lost_without, 3), "since_boundary_s": round(called - done_at[j], 3),
                           "step_call_s": round(now - called, 3), "recovery_s": round(_recovery_s(env), 3),
+                          "recovery_parts": _recovery_parts(env),
                           "reset_s": round(reset_s, 3),
                           "active_episodes": ACTIVE.n, "env_events": events,
                           "reason": rollback["reason"]}

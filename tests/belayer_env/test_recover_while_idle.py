@@ -45,6 +45,8 @@ def test_killed_while_idle_then_the_next_action_runs_once_on_the_restored_bounda
     event = _idle_rollbacks(env)[0]
     assert event.at_step == 3 and event.to_step == 3 and event.discarded_steps == 0
     assert event.waited_s is not None and event.waited_s >= 0
+    assert {"fence", "wait_capture", "restore"} <= set(event.recovery_parts)  # where the recovery went
+    assert sum(event.recovery_parts.values()) <= event.recovery_s + 1e-3
     env.reset()  # its own fence of the old sandbox is not a death to recover from
     env.step("true")
     assert not _idle_rollbacks(env)
