@@ -18,7 +18,10 @@ ENV = "BELAYER_WORKER_SECRET"
 
 
 def new_secret() -> str:
-    return secrets.token_urlsafe(32)
+    """256 random bits as hex. Not ``token_urlsafe``: one draw in 64 began with "-", and SGLang,
+    handed it as ``--api-key`` through its ``--config`` file, took it for an option and exited
+    ("argument --api-key: expected one argument"; seen in a CI rehearsal)."""
+    return secrets.token_hex(32)
 
 
 def headers(secret: str | None) -> dict[str, str]:
