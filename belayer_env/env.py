@@ -223,7 +223,7 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
                 if isinstance(outcome.result, BaseException):
                     raise outcome.result  # every restore attempt failed: as a step's own failure would
                 rollback = outcome.result[4]["belayer"]["rollback"]
-                if rollback["to_step"] < outcome.at_step:  # an older boundary: the agent regenerates from there
+                if outcome.moved_back:  # an older boundary: the agent regenerates from there
                     outcome.result[4]["belayer"]["recovered_while_idle"] = rollback
                     return outcome.result
             result = self._step(action, cwd, timeout, checkpoint)
@@ -283,9 +283,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
         with self._env_turn("fork"):
             from belayer_env.forking import fork_env
 
-            outcome = self._idle_outcome
-            if outcome is not None and (isinstance(outcome.result, BaseException)
-                                        or outcome.result[4]["belayer"]["step"] < outcome.at_step):
+            if self._idle_outcome is not None and (isinstance(self._idle_outcome.result, BaseException)
+                                                   or self._idle_outcome.moved_back):
                 raise SandboxLost(f"sandbox {self.name} died while idle and is not at the agent's boundary any "
                                   "more: call step() to receive the rollback, then fork")
 
@@ -406,9 +405,8 @@ class RecoverableSandboxEnv(gym.Env[str, str]):
             # slowed a heavy one by ~0.1 s (benchmarks/checkpoint_bench.py, prestaged_lost)
             remove_in_background(self.client, dead)
 
-    def _restore_after(self, error: InfraError, k: int, detected: float, fenced: set[str], while_idle: bool = False,
-                       parts: dict[str, float] | None = None) -> tuple[str, float, bool, bool, dict]:
-        parts = {} if parts is None else parts
+    def _restore_after(self, error: InfraError, k: int, detected: float, fenced: set[str], while_idle: bool,
+                       parts: dict[str, float]) -> tuple[str, float, bool, bool, dict]:
         t = time.monotonic()
         if self._name_blocked(fenced):
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
@@ -575,6 +573,11 @@ class _IdleOutcome:
         self.at_step = at_step
         self.result = result
         self.event = event  # the rollback event (its ``waited_s`` is filled in by the next call)
+
+    @property
+    def moved_back(self) -> bool:
+        """Restored to a boundary older than the agent's (the step result is a rollback to report)."""
+        return not isinstance(self.result, BaseException) and self.result[4]["belayer"]["step"] < self.at_step
 
 
 def with_overrides(config: EnvConfig | None, overrides: dict[str, Any]) -> EnvConfig:

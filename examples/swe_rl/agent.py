@@ -61,19 +61,22 @@ def _env_events(env: gym.Env, since: int) -> list[dict]:
              **({"error": f"{e.error}: {(e.message or '')[:160]}"} if e.error else {})} for e in events[since:] if e.kind != "rollback"]
 
 
+def _last_rollback(env: gym.Env):
+    """The env's latest rollback event (None when the env keeps none)."""
+    events = getattr(getattr(env.unwrapped, "trajectory", None), "events", [])
+    return next((e for e in reversed(events) if e.kind == "rollback"), None)
+
+
 def _recovery_parts(env: gym.Env) -> dict[str, float]:
     """Where the latest rollback's recovery time went (fence, wait_capture, restore, initial)."""
-    events = getattr(getattr(env.unwrapped, "trajectory", None), "events", [])
-    last = next((e for e in reversed(events) if e.kind == "rollback"), None)
-    return dict(getattr(last, "recovery_parts", None) or {})
+    return dict(getattr(_last_rollback(env), "recovery_parts", None) or {})
 
 
 def _recovery_s(env: gym.Env) -> float:
     """Fence + restore time of the env's latest rollback that the agent's step call spent (0
     when the env does not say): all of it, or what the call waited of a restore begun while
     the model generated (``recover_while_idle``)."""
-    events = getattr(getattr(env.unwrapped, "trajectory", None), "events", [])
-    last = next((e for e in reversed(events) if e.kind == "rollback"), None)
+    last = _last_rollback(env)
     if last is None:
         return 0.0
     return (last.waited_s or 0.0) if getattr(last, "while_idle", False) else (last.recovery_s or 0.0)
