@@ -79,9 +79,15 @@ class ThreadSet:
                     self._threads.discard(threading.current_thread())
 
         thread = threading.Thread(target=run, daemon=True, name=self.name)
+        # Listed and started under one lock: ``wait`` must never see (and join) a thread
+        # that has not started yet (``RuntimeError: cannot join thread before it is started``).
         with self._lock:
             self._threads.add(thread)
-        thread.start()
+            try:
+                thread.start()
+            except BaseException:
+                self._threads.discard(thread)
+                raise
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every thread started so far; True when none is left.

@@ -37,3 +37,33 @@ def test_a_failing_block_still_releases_its_work():
     except RuntimeError:
         pass
     assert done.wait(10.0), "work held by a block that raised was never started"
+
+
+def test_wait_never_sees_a_thread_that_has_not_started():
+    """``env.close`` waits on clean-up that other threads keep starting: a thread listed
+    before its ``start()`` made ``wait`` raise "cannot join thread before it is started"."""
+    jobs = ThreadSet("test-start-race")
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def starter() -> None:
+        while not stop.is_set():
+            jobs.start(lambda: None)
+
+    def waiter() -> None:
+        try:
+            while not stop.is_set():
+                jobs.wait(0.01)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=starter), threading.Thread(target=starter), threading.Thread(target=waiter)]
+    for t in threads:
+        t.start()
+    threading.Event().wait(2.0)  # let starts and waits race for a while; the bound, not a sync
+    stop.set()
+    for t in threads:
+        t.join(10.0)
+    assert not errors, f"wait joined a thread that had not started: {errors[0]!r}"
+    assert jobs.wait(10.0), "started work never finished"
