@@ -52,11 +52,24 @@ def kill_container(client: docker.DockerClient, container_id: str) -> None:
 def oom_container(client: docker.DockerClient, container_id: str) -> None:
     """Make the kernel OOM killer take the container's PID 1 (so the container dies).
 
-    PID 1's oom_score_adj goes to 1000, then a dozen processes each take a slice of the
-    memory limit: none of them scores as high as PID 1, so the kernel kills PID 1 first.
+    PID 1's oom_score_adj goes to 1000, then one interpreter forks children that take 32 MiB
+    each, one after another, until the limit is hit. Each must stay small: the kernel scores PID 1 at its pages
+    plus 1000 * (limit pages // 1000), a little under the limit (kernel 6.18: 65,062 pages
+    for a 256 MiB limit), so a single hog holding nearly the limit outscores it and is the one
+    killed. Forks, not dozens of interpreters: the fault costs the host little CPU.
     """
-    hog = ("import time; b = bytearray(48 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(60)")
-    script = f"echo 1000 > /proc/1/oom_score_adj; for i in $(seq 64); do python3 -c \"{hog}\" & done; wait"
+    hog = ("import os, time\n"
+           "while True:\n"
+           "    r, w = os.pipe()\n"
+           "    if os.fork() == 0:\n"
+           "        held = bytearray(b'x') * (32 << 20)\n"
+           "        os.write(w, b'.')\n"
+           "        time.sleep(600)\n"
+           "        os._exit(0)\n"
+           "    os.close(w)\n"
+           "    os.read(r, 1)\n"  # one child at a time: no more forks than the limit needs
+           "    os.close(r)\n")
+    script = f"echo 1000 > /proc/1/oom_score_adj && exec python3 -c \"{hog}\""
     with contextlib.suppress(*_DAEMON_ERRORS):
         exec_id = client.api.exec_create(container_id, ["sh", "-c", script])["Id"]
         client.api.exec_start(exec_id, detach=True)
