@@ -53,10 +53,11 @@ def oom_container(client: docker.DockerClient, container_id: str) -> None:
     """Make the kernel OOM killer take the container's PID 1 (so the container dies).
 
     PID 1's oom_score_adj goes to 1000, then one interpreter forks children that take 32 MiB
-    each, one after another, until the limit is hit. Each must stay small: the kernel scores PID 1 at its pages
-    plus 1000 * (limit pages // 1000), a little under the limit (kernel 6.18: 65,062 pages
-    for a 256 MiB limit), so a single hog holding nearly the limit outscores it and is the one
-    killed. Forks, not dozens of interpreters: the fault costs the host little CPU.
+    each, one after another, until the limit is hit. Each must stay small: the kernel scores
+    PID 1 at its pages plus 1000 * (limit pages // 1000), a little under the limit (kernel
+    6.18: 65,062 pages for a 256 MiB limit), so a single hog holding nearly the limit
+    outscores it and is the one killed. Forks, not dozens of interpreters: the fault costs
+    the host little CPU.
     """
     hog = ("import os, time\n"
            "while True:\n"
