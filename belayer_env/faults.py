@@ -14,8 +14,11 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import docker
@@ -23,6 +26,7 @@ import requests
 
 from belayer.errors import InfraError, SandboxLost
 from belayer_env.fence import sandbox_containers
+from belayer_env.freezer import CGROUP_ROOT
 from belayer_env.phases import Operation, Phase
 
 if TYPE_CHECKING:
@@ -52,28 +56,53 @@ def kill_container(client: docker.DockerClient, container_id: str) -> None:
 def oom_container(client: docker.DockerClient, container_id: str) -> None:
     """Make the kernel OOM killer take the container's PID 1 (so the container dies).
 
-    PID 1's oom_score_adj goes to 1000, then one interpreter forks children that take 32 MiB
-    each, one after another, until the limit is hit. Each must stay small: the kernel scores
-    PID 1 at its pages plus 1000 * (limit pages // 1000), a little under the limit (kernel
-    6.18: 65,062 pages for a 256 MiB limit), so a single hog holding nearly the limit
-    outscores it and is the one killed. Forks, not dozens of interpreters: the fault costs
-    the host little CPU.
+    PID 1's oom_score_adj goes to 1000, then memory is taken in the container's memory
+    cgroup until the limit is hit: from the host where the daemon is local on cgroup v1
+    (``oom_hog``: a process in that memory cgroup only, no exec, like memory grown by the
+    sandbox's own processes), else by a ``docker exec``. Either way in 32 MiB children, one
+    after another (``oom_hog`` says why each must stay small).
     """
-    hog = ("import os, time\n"
-           "while True:\n"
-           "    r, w = os.pipe()\n"
-           "    if os.fork() == 0:\n"
-           "        held = bytearray(b'x') * (32 << 20)\n"
-           "        os.write(w, b'.')\n"
-           "        time.sleep(600)\n"
-           "        os._exit(0)\n"
-           "    os.close(w)\n"
-           "    os.read(r, 1)\n"  # one child at a time: no more forks than the limit needs
-           "    os.close(r)\n")
-    script = f"echo 1000 > /proc/1/oom_score_adj && exec python3 -c \"{hog}\""
     with contextlib.suppress(*_DAEMON_ERRORS):
-        exec_id = client.api.exec_create(container_id, ["sh", "-c", script])["Id"]
+        init = client.api.inspect_container(container_id)["State"].get("Pid") or 0
+        if init > 0 and _oom_from_host(init, container_id):
+            return
+        exec_id = client.api.exec_create(container_id, ["sh", "-c", _OOM_EXEC])["Id"]
         client.api.exec_start(exec_id, detach=True)
+
+
+_OOM_HOG = Path(__file__).with_name("oom_hog.py")
+_OOM_EXEC = ("echo 1000 > /proc/1/oom_score_adj && exec python3 -c \"import os, time\n"
+             "while True:\n"
+             "    r, w = os.pipe()\n"
+             "    if os.fork() == 0:\n"
+             "        held = bytearray(b'x') * (32 << 20)\n"
+             "        os.write(w, b'.')\n"
+             "        time.sleep(600)\n"
+             "        os._exit(0)\n"
+             "    os.close(w)\n"
+             "    os.read(r, 1)\n"  # one child at a time: no more forks than the limit needs
+             "    os.close(r)\n\"")
+
+
+def _oom_from_host(init: int, container_id: str) -> bool:
+    """Start ``oom_hog`` against the container whose init is pid ``init``; False where that
+    is not possible here (cgroup v2, a remote daemon, no privilege)."""
+    try:
+        line = next((x for x in Path(f"/proc/{init}/cgroup").read_text().splitlines()
+                     if "memory" in x.split(":")[1].split(",")), None)
+        # the container's own cgroup: a pid from a remote daemon may name any local process
+        if line is None or container_id not in line.split(":", 2)[2]:
+            return False
+        procs = CGROUP_ROOT / "memory" / line.split(":", 2)[2].lstrip("/") / "cgroup.procs"
+        if not procs.exists():
+            return False
+        Path(f"/proc/{init}/oom_score_adj").write_text("1000")
+    except (OSError, IndexError):
+        return False
+    hog = subprocess.Popen([sys.executable, "-I", "-S", str(_OOM_HOG), str(procs), str(init)],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    threading.Thread(target=hog.wait, daemon=True, name="belayer-oom-hog-reaper").start()
+    return True
 
 
 def kill_processes(client: docker.DockerClient, container_id: str) -> None:

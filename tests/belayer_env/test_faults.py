@@ -1,0 +1,66 @@
+"""The injected faults themselves: real, and nothing of the injector left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from belayer.errors import CheckpointFailed
+from belayer_env.checkpoint import full_checkpoint
+from belayer_env.faults import _oom_from_host, oom_container
+from tests.conftest import wait_until
+
+
+def _hogs() -> list[int]:
+    """Host processes running ``oom_hog.py``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"oom_hog.py" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _local_cgroup_v1(docker_client, sb) -> bool:
+    init = docker_client.api.inspect_container(sb.container_id)["State"]["Pid"]
+    try:
+        return any("memory" in line.split(":")[1].split(",") for line in Path(f"/proc/{init}/cgroup").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def test_oom_fault_is_the_kernel_killing_init_and_leaves_nothing_behind(make_sandbox, docker_client):
+    sb = make_sandbox(memory="256m")
+    host_side = _local_cgroup_v1(docker_client, sb)
+    oom_container(docker_client, sb.container_id)
+    wait_until(lambda: not sb.is_alive(), 20, "the OOM fault to take the container down")
+    info = docker_client.api.inspect_container(sb.container_id)
+    assert info["State"]["OOMKilled"], info["State"]
+    if host_side:  # cgroup v1, local daemon: the hog ran on the host
+        wait_until(lambda: not _hogs(), 20, "the OOM hog to exit once the container's init died")
+
+
+def test_a_capture_racing_the_oom_fault_is_never_refused_as_a_running_command(make_sandbox, docker_client, ck_store):
+    sb = make_sandbox(memory="256m")
+    if not _local_cgroup_v1(docker_client, sb):
+        pytest.skip("the OOM fault runs as an exec here (no local cgroup v1 memory controller)")
+    oom_container(docker_client, sb.container_id)
+    try:
+        full_checkpoint(sb, ck_store, 1)  # the dump may win the race or lose it: both are real
+    except CheckpointFailed as e:
+        assert "running a command" not in str(e), e
+    wait_until(lambda: not sb.is_alive(), 20, "the OOM fault to take the container down")
+    wait_until(lambda: not _hogs(), 20, "the OOM hog to exit once the container's init died")
+
+
+def test_oom_from_host_never_touches_a_process_outside_the_container(make_sandbox, docker_client):
+    sb = make_sandbox()
+    before = Path("/proc/self/oom_score_adj").read_text()
+    assert _oom_from_host(os.getpid(), sb.container_id) is False  # e.g. a pid a remote daemon reported
+    assert Path("/proc/self/oom_score_adj").read_text() == before
+    assert not _hogs()
