@@ -58,9 +58,9 @@ def oom_container(client: docker.DockerClient, container_id: str) -> None:
 
     PID 1's oom_score_adj goes to 1000, then memory is taken in the container's memory
     cgroup until the limit is hit: from the host where the daemon is local on cgroup v1
-    (``oom_hog``: a process in that memory cgroup only, no exec, like memory grown by the
-    sandbox's own processes), else by a ``docker exec``. Either way in 32 MiB children, one
-    after another (``oom_hog`` says why each must stay small).
+    (``oom_hog``: a process in the container's memory and freezer cgroups, no exec, so a
+    capture racing the fault is not refused), else by a ``docker exec``. Either way in
+    32 MiB children, one after another (``oom_hog`` says why each must stay small).
     """
     with contextlib.suppress(*_DAEMON_ERRORS):
         init = client.api.inspect_container(container_id)["State"].get("Pid") or 0
@@ -88,18 +88,20 @@ def _oom_from_host(init: int, container_id: str) -> bool:
     """Start ``oom_hog`` against the container whose init is pid ``init``; False where that
     is not possible here (cgroup v2, a remote daemon, no privilege)."""
     try:
-        line = next((x for x in Path(f"/proc/{init}/cgroup").read_text().splitlines()
-                     if "memory" in x.split(":")[1].split(",")), None)
-        # the container's own cgroup: a pid from a remote daemon may name any local process
-        if line is None or container_id not in line.split(":", 2)[2]:
-            return False
-        procs = CGROUP_ROOT / "memory" / line.split(":", 2)[2].lstrip("/") / "cgroup.procs"
-        if not procs.exists():
-            return False
+        lines = Path(f"/proc/{init}/cgroup").read_text().splitlines()
+        procs = []
+        for controller in ("freezer", "memory"):
+            line = next((x for x in lines if controller in x.split(":")[1].split(",")), None)
+            # the container's own cgroup: a pid from a remote daemon may name any local process
+            if line is None or container_id not in line.split(":", 2)[2]:
+                return False
+            procs.append(CGROUP_ROOT / controller / line.split(":", 2)[2].lstrip("/") / "cgroup.procs")
+            if not procs[-1].exists():
+                return False
         Path(f"/proc/{init}/oom_score_adj").write_text("1000")
     except (OSError, IndexError):
         return False
-    hog = subprocess.Popen([sys.executable, "-I", "-S", str(_OOM_HOG), str(procs), str(init)],
+    hog = subprocess.Popen([sys.executable, "-I", "-S", str(_OOM_HOG), str(init), *map(str, procs)],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     threading.Thread(target=hog.wait, daemon=True, name="belayer-oom-hog-reaper").start()
     return True

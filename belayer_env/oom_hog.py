@@ -1,16 +1,19 @@
-"""The memory hog behind the ``oom`` fault, run from the host: ``python -I -S oom_hog.py PROCS PID``.
+"""The memory hog behind the ``oom`` fault, run from the host: ``python -I -S oom_hog.py PID PROCS...``.
 
-``PROCS`` is the ``cgroup.procs`` file of the container's cgroup-v1 memory controller and
-``PID`` its init (host pid). Children fork one at a time, each joins that memory cgroup
-only and holds 32 MiB, until the kernel's OOM killer takes the init (the caller raised its
-oom_score_adj to 1000); then the children are killed and the hog exits. Each child must
-stay small: the kernel scores the init at its pages + 1000 * (limit pages // 1000), a
-little under the limit, so one child holding nearly the limit would be the one killed.
+``PID`` is the container's init (host pid), ``PROCS`` the ``cgroup.procs`` files of the
+container's cgroup-v1 freezer and memory controllers. Children fork one at a time, each
+joins those cgroups and holds 32 MiB, until the kernel's OOM killer takes the init (the
+caller raised its oom_score_adj to 1000); then the children are killed and the hog exits.
+Each child must stay small: the kernel scores the init at its pages + 1000 * (limit pages
+// 1000), a little under the limit, so one child holding nearly the limit would be the one
+killed.
 
-Why from the host: the hog is in none of the container's other cgroups (freezer, pids) and
-is no ``docker exec``, so a capture starting meanwhile sees the sandbox as it is (an exec
-would make it refuse: "running a command"), as with memory grown by the sandbox's own
-processes. Standard library only, no site: it starts in milliseconds.
+Why from the host and not by ``docker exec``: a capture refuses a sandbox running an exec
+("running a command"), so an exec'd hog made every capture racing the fault fail, which
+memory grown by the sandbox's own processes does not. In the freezer cgroup the hog is
+frozen with the sandbox during a capture (it must not fill memory while the sandbox cannot
+answer); CRIU dumps the init's tree only, so the hog is never in a checkpoint. Standard
+library only, no site: it starts in milliseconds.
 """
 
 import os
@@ -24,9 +27,10 @@ MAX_CHILDREN = 512  # 16 GiB: no container limit above that is ever reached
 LIFETIME_S = 60.0
 
 
-def _child(procs: str, init_died: int, report: int) -> None:
-    with open(procs, "w") as f:
-        f.write(str(os.getpid()))
+def _child(procs: list[str], init_died: int, report: int) -> None:
+    for path in procs:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
     os.write(report, b"j")  # joined: from here its memory counts against the container's limit
     held = bytearray(b"x") * CHILD_BYTES  # noqa: F841 - holding it is the point
     os.write(report, b"h")
@@ -49,7 +53,7 @@ def _read_report(report: int, init_died: int, deadline: float) -> bytes:
     return heard
 
 
-def main(procs: str, init_pid: int) -> None:
+def main(init_pid: int, procs: list[str]) -> None:
     try:
         init_died = os.pidfd_open(init_pid)
     except ProcessLookupError:
@@ -73,7 +77,7 @@ def main(procs: str, init_pid: int) -> None:
             heard = _read_report(report, init_died, deadline)
             os.close(report)
             if not heard.startswith(b"j"):
-                return  # it could not join the container's memory cgroup: never hog the host's
+                return  # it could not join the container's cgroups: never hog the host's memory
         select.select([init_died], [], [], max(0.0, deadline - time.monotonic()))
     finally:
         for child in children:
@@ -86,4 +90,4 @@ def main(procs: str, init_pid: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(int(sys.argv[1]), sys.argv[2:])

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from belayer.errors import CheckpointFailed
+from belayer_env import freezer
 from belayer_env.checkpoint import full_checkpoint
 from belayer_env.faults import _oom_from_host, oom_container
 from tests.conftest import wait_until
@@ -55,6 +56,26 @@ def test_a_capture_racing_the_oom_fault_is_never_refused_as_a_running_command(ma
     except CheckpointFailed as e:
         assert "running a command" not in str(e), e
     wait_until(lambda: not sb.is_alive(), 20, "the OOM fault to take the container down")
+    wait_until(lambda: not _hogs(), 20, "the OOM hog to exit once the container's init died")
+
+
+def test_the_oom_hog_is_frozen_with_the_sandbox(make_sandbox, docker_client):
+    """A capture freezes the sandbox: memory grown by its processes stops growing, so the
+    hog must stop too (else it OOM-kills a frozen sandbox under CRIU's dump)."""
+    sb = make_sandbox(memory="256m")
+    if not _local_cgroup_v1(docker_client, sb):
+        pytest.skip("the OOM fault runs as an exec here (no local cgroup v1 memory controller)")
+    control = freezer.control_file(sb.container_id)
+    procs = control.parent / "cgroup.procs"
+    docker_client.api.pause(sb.container_id)
+    oom_container(docker_client, sb.container_id)
+    wait_until(lambda: set(_hogs()) & {int(p) for p in procs.read_text().split()}, 20,
+               "a hog child to join the paused sandbox's freezer cgroup")
+    wait_until(lambda: control.read_text().strip() == "FROZEN", 20, "the hog child to be frozen with the sandbox")
+    assert sb.is_alive()
+    docker_client.api.unpause(sb.container_id)
+    wait_until(lambda: not sb.is_alive(), 20, "the OOM fault to take the container down once thawed")
+    assert docker_client.api.inspect_container(sb.container_id)["State"]["OOMKilled"]
     wait_until(lambda: not _hogs(), 20, "the OOM hog to exit once the container's init died")
 
 
