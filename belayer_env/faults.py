@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -57,10 +58,10 @@ def oom_container(client: docker.DockerClient, container_id: str) -> None:
     """Make the kernel OOM killer take the container's PID 1 (so the container dies).
 
     PID 1's oom_score_adj goes to 1000, then memory is taken in the container's memory
-    cgroup until the limit is hit: from the host where the daemon is local on cgroup v1
-    (``oom_hog``: a process in the container's memory and freezer cgroups, no exec, so a
-    capture racing the fault is not refused), else by a ``docker exec``. Either way in
-    32 MiB children, one after another (``oom_hog`` says why each must stay small).
+    cgroup until the limit is hit: from the host where the daemon is local (``oom_hog``: a
+    process in the container's memory and freezer cgroups, no exec, so a capture racing the
+    fault is not refused), else by a ``docker exec``. Either way in 32 MiB children, one
+    after another (``oom_hog`` says why each must stay small).
     """
     with contextlib.suppress(*_DAEMON_ERRORS):
         init = client.api.inspect_container(container_id)["State"].get("Pid") or 0
@@ -71,6 +72,8 @@ def oom_container(client: docker.DockerClient, container_id: str) -> None:
 
 
 _OOM_HOG = Path(__file__).with_name("oom_hog.py")
+OOM_HANDSHAKE_S = 5.0
+"""How long ``oom_container`` waits to hear that the hog joined the sandbox's cgroups."""
 _OOM_EXEC = ("echo 1000 > /proc/1/oom_score_adj && exec python3 -c \"import os, time\n"
              "while True:\n"
              "    r, w = os.pipe()\n"
@@ -86,25 +89,47 @@ _OOM_EXEC = ("echo 1000 > /proc/1/oom_score_adj && exec python3 -c \"import os, 
 
 def _oom_from_host(init: int, container_id: str) -> bool:
     """Start ``oom_hog`` against the container whose init is pid ``init``; False where that
-    is not possible here (cgroup v2, a remote daemon, no privilege)."""
+    is not possible here (a remote daemon, no privilege, a cgroup layout it cannot join)."""
+    procs = _sandbox_cgroups(init, container_id)
+    if procs is None:
+        return False
     try:
-        lines = Path(f"/proc/{init}/cgroup").read_text().splitlines()
-        procs = []
-        for controller in ("freezer", "memory"):
-            line = next((x for x in lines if controller in x.split(":")[1].split(",")), None)
-            # the container's own cgroup: a pid from a remote daemon may name any local process
-            if line is None or container_id not in line.split(":", 2)[2]:
-                return False
-            procs.append(CGROUP_ROOT / controller / line.split(":", 2)[2].lstrip("/") / "cgroup.procs")
-            if not procs[-1].exists():
-                return False
         Path(f"/proc/{init}/oom_score_adj").write_text("1000")
-    except (OSError, IndexError):
+    except OSError:
         return False
     hog = subprocess.Popen([sys.executable, "-I", "-S", str(_OOM_HOG), str(init), *map(str, procs)],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     threading.Thread(target=hog.wait, daemon=True, name="belayer-oom-hog-reaper").start()
-    return True
+    assert hog.stdout is not None
+    with hog.stdout:
+        # a child joining a frozen sandbox waits for the thaw: past this, it is under way
+        if not select.select([hog.stdout], [], [], OOM_HANDSHAKE_S)[0]:
+            return True
+        told = hog.stdout.readline()
+    return not told.startswith(b"failed")
+
+
+def _sandbox_cgroups(init: int, container_id: str) -> list[Path] | None:
+    """The ``cgroup.procs`` files the hog joins: cgroup v1's memory and freezer controllers,
+    or v2's one cgroup; None unless they are this container's own, here."""
+    try:
+        lines = [line.split(":", 2) for line in Path(f"/proc/{init}/cgroup").read_text().splitlines()]
+    except OSError:
+        return None
+    if (CGROUP_ROOT / "cgroup.controllers").exists():  # v2 only: memory and freezer in one
+        wanted = [(CGROUP_ROOT, next((path for _n, names, path in lines if names == ""), None))]
+    else:
+        wanted = [(CGROUP_ROOT / c, next((path for _n, names, path in lines if c in names.split(",")), None))
+                  for c in ("memory", "freezer")]  # memory first: a frozen sandbox freezes the joiner
+    procs = []
+    for root, path in wanted:
+        # the container's own cgroup: a pid from a remote daemon may name any local process
+        if path is None or container_id not in path:
+            return None
+        procs.append(root / path.lstrip("/") / "cgroup.procs")
+        if not procs[-1].exists():
+            return None
+    return procs
 
 
 def kill_processes(client: docker.DockerClient, container_id: str) -> None:

@@ -1,12 +1,13 @@
 """The memory hog behind the ``oom`` fault, run from the host: ``python -I -S oom_hog.py PID PROCS...``.
 
 ``PID`` is the container's init (host pid), ``PROCS`` the ``cgroup.procs`` files of the
-container's cgroup-v1 freezer and memory controllers. Children fork one at a time, each
-joins those cgroups and holds 32 MiB, until the kernel's OOM killer takes the init (the
-caller raised its oom_score_adj to 1000); then the children are killed and the hog exits.
-Each child must stay small: the kernel scores the init at its pages + 1000 * (limit pages
-// 1000), a little under the limit, so one child holding nearly the limit would be the one
-killed.
+container's cgroups (v1: memory and freezer; v2: its one cgroup). Children fork one at a
+time, each joins those cgroups and holds 32 MiB, until the kernel's OOM killer takes the
+init (the caller raised its oom_score_adj to 1000); then the children are killed and the
+hog exits. Each child must stay small: the kernel scores the init at its pages + 1000 *
+(limit pages // 1000), a little under the limit, so one child holding nearly the limit
+would be the one killed. The first line on stdout says whether the first child joined
+(``joined``) or could not (``failed: ...``: the caller falls back to ``docker exec``).
 
 Why from the host and not by ``docker exec``: a capture refuses a sandbox running an exec
 ("running a command"), so an exec'd hog made every capture racing the fault fail, which
@@ -28,35 +29,52 @@ LIFETIME_S = 60.0
 
 
 def _child(procs: list[str], init_died: int, report: int) -> None:
-    for path in procs:
+    for path in procs:  # one byte per cgroup joined: the parent never lets a child hog the host
         with open(path, "w") as f:
-            f.write(str(os.getpid()))
-    os.write(report, b"j")  # joined: from here its memory counts against the container's limit
+            f.write(str(os.getpid()))  # joining a frozen sandbox's freezer cgroup freezes it here
+        os.write(report, b"j")
     held = bytearray(b"x") * CHILD_BYTES  # noqa: F841 - holding it is the point
     os.write(report, b"h")
     select.select([init_died], [], [], LIFETIME_S)
     os._exit(0)
 
 
-def _read_report(report: int, init_died: int, deadline: float) -> bytes:
-    """What the child reported before it held its share, died (the OOM killer may pick a
-    child), or the init died."""
+def _joined(report: int, init_died: int, expected: int, deadline: float) -> bool:
+    """Whether the child joined all ``expected`` cgroups (False: a join failed and it exited).
+
+    True as well once the init died or time is up: the caller's loop then ends the hog."""
     heard = b""
-    while len(heard) < 2:
+    while heard.count(b"j") < expected:
         readable = select.select([report, init_died], [], [], max(0.0, deadline - time.monotonic()))[0]
         if report not in readable:
-            return heard or b"j"  # the init died or time is up: the loop's checks end it
-        chunk = os.read(report, 2)
+            return True
+        chunk = os.read(report, expected + 1)
         if not chunk:
-            return heard
+            return False
         heard += chunk
-    return heard
+    # then it holds its share, or died taking it (the OOM killer may pick a child)
+    while b"h" not in heard:
+        readable = select.select([report, init_died], [], [], max(0.0, deadline - time.monotonic()))[0]
+        if report not in readable or not (chunk := os.read(report, 1)):
+            return True
+        heard += chunk
+    return True
+
+
+def _tell(message: bytes) -> None:
+    """Tell the caller (stdout, once) whether the first child joined the sandbox's cgroups."""
+    try:
+        os.write(1, message)
+        os.close(1)
+    except OSError:
+        pass
 
 
 def main(init_pid: int, procs: list[str]) -> None:
     try:
         init_died = os.pidfd_open(init_pid)
     except ProcessLookupError:
+        _tell(b"failed: the init is gone\n")
         return
     deadline = time.monotonic() + LIFETIME_S
     children: list[int] = []
@@ -74,12 +92,16 @@ def main(init_pid: int, procs: list[str]) -> None:
                     os._exit(1)
             children.append(child)
             os.close(report_w)
-            heard = _read_report(report, init_died, deadline)
+            joined = _joined(report, init_died, len(procs), deadline)
             os.close(report)
-            if not heard.startswith(b"j"):
-                return  # it could not join the container's cgroups: never hog the host's memory
+            if not joined:
+                _tell(b"failed: a child could not join the sandbox's cgroups\n")
+                return  # never hog the host's memory
+            if len(children) == 1:
+                _tell(b"joined\n")
         select.select([init_died], [], [], max(0.0, deadline - time.monotonic()))
     finally:
+        _tell(b"ended\n")
         for child in children:
             try:
                 os.kill(child, signal.SIGKILL)

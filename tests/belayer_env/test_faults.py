@@ -10,7 +10,7 @@ import pytest
 from belayer.errors import CheckpointFailed
 from belayer_env import freezer
 from belayer_env.checkpoint import full_checkpoint
-from belayer_env.faults import _oom_from_host, oom_container
+from belayer_env.faults import _oom_from_host, _sandbox_cgroups, oom_container
 from tests.conftest import wait_until
 
 
@@ -27,29 +27,27 @@ def _hogs() -> list[int]:
     return found
 
 
-def _local_cgroup_v1(docker_client, sb) -> bool:
+def _hog_from_host(docker_client, sb) -> bool:
+    """Whether the OOM fault's hog runs from the host here (else by docker exec)."""
     init = docker_client.api.inspect_container(sb.container_id)["State"]["Pid"]
-    try:
-        return any("memory" in line.split(":")[1].split(",") for line in Path(f"/proc/{init}/cgroup").read_text().splitlines())
-    except OSError:
-        return False
+    return _sandbox_cgroups(init, sb.container_id) is not None
 
 
 def test_oom_fault_is_the_kernel_killing_init_and_leaves_nothing_behind(make_sandbox, docker_client):
     sb = make_sandbox(memory="256m")
-    host_side = _local_cgroup_v1(docker_client, sb)
+    host_side = _hog_from_host(docker_client, sb)
     oom_container(docker_client, sb.container_id)
     wait_until(lambda: not sb.is_alive(), 20, "the OOM fault to take the container down")
     info = docker_client.api.inspect_container(sb.container_id)
     assert info["State"]["OOMKilled"], info["State"]
-    if host_side:  # cgroup v1, local daemon: the hog ran on the host
+    if host_side:  # a local daemon: the hog ran on the host
         wait_until(lambda: not _hogs(), 20, "the OOM hog to exit once the container's init died")
 
 
 def test_a_capture_racing_the_oom_fault_is_never_refused_as_a_running_command(make_sandbox, docker_client, ck_store):
     sb = make_sandbox(memory="256m")
-    if not _local_cgroup_v1(docker_client, sb):
-        pytest.skip("the OOM fault runs as an exec here (no local cgroup v1 memory controller)")
+    if not _hog_from_host(docker_client, sb):
+        pytest.skip("the OOM fault runs as an exec here (the sandbox's cgroups are not local)")
     oom_container(docker_client, sb.container_id)
     try:
         full_checkpoint(sb, ck_store, 1)  # the dump may win the race or lose it: both are real
@@ -63,8 +61,8 @@ def test_the_oom_hog_is_frozen_with_the_sandbox(make_sandbox, docker_client):
     """A capture freezes the sandbox: memory grown by its processes stops growing, so the
     hog must stop too (else it OOM-kills a frozen sandbox under CRIU's dump)."""
     sb = make_sandbox(memory="256m")
-    if not _local_cgroup_v1(docker_client, sb):
-        pytest.skip("the OOM fault runs as an exec here (no local cgroup v1 memory controller)")
+    if not _hog_from_host(docker_client, sb):
+        pytest.skip("the OOM fault runs as an exec here (the sandbox's cgroups are not local)")
     control = freezer.control_file(sb.container_id)
     procs = control.parent / "cgroup.procs"
     docker_client.api.pause(sb.container_id)
@@ -85,3 +83,19 @@ def test_oom_from_host_never_touches_a_process_outside_the_container(make_sandbo
     assert _oom_from_host(os.getpid(), sb.container_id) is False  # e.g. a pid a remote daemon reported
     assert Path("/proc/self/oom_score_adj").read_text() == before
     assert not _hogs()
+
+
+def test_the_oom_hog_stops_when_it_cannot_join_the_sandbox(make_sandbox, docker_client, tmp_path):
+    """A child that cannot join the sandbox's cgroups would take the host's memory: the hog
+    says so and exits (``oom_container`` then falls back to docker exec)."""
+    import subprocess
+    import sys
+
+    from belayer_env import faults
+
+    sb = make_sandbox()
+    init = docker_client.api.inspect_container(sb.container_id)["State"]["Pid"]
+    proc = subprocess.run([sys.executable, "-I", "-S", str(faults._OOM_HOG), str(init), str(tmp_path / "no" / "cgroup.procs")],
+                          capture_output=True, timeout=60)
+    assert proc.stdout.startswith(b"failed: a child could not join"), proc
+    assert sb.is_alive()
