@@ -54,8 +54,11 @@ def test_fork_gives_independent_prefix_consistent_sandboxes(make_sandbox, ck_sto
     start_counter(src)
     start_server(src)
     h0 = http_get(src)  # start_server's readiness probe counts too
+    # the log only grows: read before the capture, a lower bound on it at the checkpoint (read
+    # after, it was an upper bound, and a fork slower to restore than the source to publish
+    # was behind it by more than the slack allowed: seen under load)
+    logged_before = _line_count(src)
     ck = full_checkpoint(src, ck_store, 1)
-    at_ck = _line_count(src)  # a lower bound on the log at the checkpoint: it only grows
     forks = fork(ck, 3, client=docker_client)
     try:
         assert len({f.name for f in forks}) == 3 and src.name not in {f.name for f in forks}
@@ -67,7 +70,7 @@ def test_fork_gives_independent_prefix_consistent_sandboxes(make_sandbox, ck_sto
             # the log is an unbroken 1..n sequence that continued past the checkpoint
             assert http_get(f) == h0 + 1
             n, unbroken = log_state(f)
-            assert unbroken and n >= at_ck - 5, (n, at_ck)
+            assert unbroken and n >= logged_before, (n, logged_before)
             assert f.execute("cat /data/shared")["output"] == "base\n"
             # independent writes after the fork: one file each, a different number of hits each
             assert f.execute(f"echo fork{i} > /data/shared && touch /data/only{i}")["returncode"] == 0
