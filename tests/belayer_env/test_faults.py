@@ -33,13 +33,18 @@ def _hog_from_host(docker_client, sb) -> bool:
     return _sandbox_cgroups(init, sb.container_id) is not None
 
 
+def _oom_killed(docker_client, sb) -> bool:
+    state = docker_client.api.inspect_container(sb.container_id)["State"]
+    return not state["Running"] and state["OOMKilled"]
+
+
 def test_oom_fault_is_the_kernel_killing_init_and_leaves_nothing_behind(make_sandbox, docker_client):
     sb = make_sandbox(memory="256m")
     host_side = _hog_from_host(docker_client, sb)
     oom_container(docker_client, sb.container_id)
     wait_until(lambda: not sb.is_alive(), 20, "the OOM fault to take the container down")
-    info = docker_client.api.inspect_container(sb.container_id)
-    assert info["State"]["OOMKilled"], info["State"]
+    # dead in the kernel's view comes first; Docker records the exit and the OOM a moment later
+    wait_until(lambda: _oom_killed(docker_client, sb), 20, "Docker to report the container OOM-killed")
     if host_side:  # a local daemon: the hog ran on the host
         wait_until(lambda: not _hogs(), 20, "the OOM hog to exit once the container's init died")
 
@@ -73,7 +78,7 @@ def test_the_oom_hog_is_frozen_with_the_sandbox(make_sandbox, docker_client):
     assert sb.is_alive()
     docker_client.api.unpause(sb.container_id)
     wait_until(lambda: not sb.is_alive(), 20, "the OOM fault to take the container down once thawed")
-    assert docker_client.api.inspect_container(sb.container_id)["State"]["OOMKilled"]
+    wait_until(lambda: _oom_killed(docker_client, sb), 20, "Docker to report the container OOM-killed")
     wait_until(lambda: not _hogs(), 20, "the OOM hog to exit once the container's init died")
 
 
