@@ -61,20 +61,28 @@ def _joined(report: int, init_died: int, expected: int, deadline: float) -> bool
     return True
 
 
-def _tell(message: bytes) -> None:
-    """Tell the caller (stdout, once) whether the first child joined the sandbox's cgroups."""
-    try:
-        os.write(1, message)
-        os.close(1)
-    except OSError:
-        pass
+class _Caller:
+    """The caller's end of stdout: told once whether the first child joined the sandbox's
+    cgroups (fd 1 stays open: closed, a later pipe could take its number)."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def tell(self, message: bytes) -> None:
+        if not self.told:
+            self.told = True
+            try:
+                os.write(1, message)
+            except OSError:  # the caller stopped listening
+                pass
 
 
 def main(init_pid: int, procs: list[str]) -> None:
+    caller = _Caller()
     try:
         init_died = os.pidfd_open(init_pid)
     except ProcessLookupError:
-        _tell(b"failed: the init is gone\n")
+        caller.tell(b"failed: the init is gone\n")
         return
     deadline = time.monotonic() + LIFETIME_S
     children: list[int] = []
@@ -95,13 +103,13 @@ def main(init_pid: int, procs: list[str]) -> None:
             joined = _joined(report, init_died, len(procs), deadline)
             os.close(report)
             if not joined:
-                _tell(b"failed: a child could not join the sandbox's cgroups\n")
+                caller.tell(b"failed: a child could not join the sandbox's cgroups\n")
                 return  # never hog the host's memory
             if len(children) == 1:
-                _tell(b"joined\n")
+                caller.tell(b"joined\n")
         select.select([init_died], [], [], max(0.0, deadline - time.monotonic()))
     finally:
-        _tell(b"ended\n")
+        caller.tell(b"ended\n")
         for child in children:
             try:
                 os.kill(child, signal.SIGKILL)
