@@ -42,23 +42,18 @@ def _child(procs: list[str], init_died: int, report: int) -> None:
 def _joined(report: int, init_died: int, expected: int, deadline: float) -> bool:
     """Whether the child joined all ``expected`` cgroups (False: a join failed and it exited).
 
-    True as well once the init died or time is up: the caller's loop then ends the hog."""
+    Read until it holds its share or died taking it (the OOM killer may pick a child); True
+    as well once the init died or time is up: the caller's loop then ends the hog."""
     heard = b""
-    while heard.count(b"j") < expected:
+    while b"h" not in heard:
         readable = select.select([report, init_died], [], [], max(0.0, deadline - time.monotonic()))[0]
         if report not in readable:
             return True
         chunk = os.read(report, expected + 1)
         if not chunk:
-            return False
+            break
         heard += chunk
-    # then it holds its share, or died taking it (the OOM killer may pick a child)
-    while b"h" not in heard:
-        readable = select.select([report, init_died], [], [], max(0.0, deadline - time.monotonic()))[0]
-        if report not in readable or not (chunk := os.read(report, 1)):
-            return True
-        heard += chunk
-    return True
+    return heard.count(b"j") >= expected
 
 
 class _Caller:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from belayer.errors import CheckpointFailed
-from belayer_env import freezer
+from belayer_env import faults, freezer
 from belayer_env.checkpoint import full_checkpoint
 from belayer_env.faults import _oom_from_host, _sandbox_cgroups, oom_container
 from tests.conftest import wait_until
@@ -93,11 +95,6 @@ def test_oom_from_host_never_touches_a_process_outside_the_container(make_sandbo
 def test_the_oom_hog_stops_when_it_cannot_join_the_sandbox(make_sandbox, docker_client, tmp_path):
     """A child that cannot join the sandbox's cgroups would take the host's memory: the hog
     says so and exits (``oom_container`` then falls back to docker exec)."""
-    import subprocess
-    import sys
-
-    from belayer_env import faults
-
     sb = make_sandbox()
     init = docker_client.api.inspect_container(sb.container_id)["State"]["Pid"]
     proc = subprocess.run([sys.executable, "-I", "-S", str(faults._OOM_HOG), str(init), str(tmp_path / "no" / "cgroup.procs")],
