@@ -37,7 +37,9 @@ def test_rollout_one_from_the_docs_survives_a_container_kill(docker_client, monk
     def create(self, *args, **kwargs):  # the container dies while turn 2 is being generated
         calls.append(len(kwargs["messages"]))
         if len(calls) == 2:
-            mine = [c for c in list_managed(docker_client) if c.owner.endswith(f":{os.getpid()}")]
+            # this process's live sandbox; an earlier test's container may still be "removing"
+            mine = [c for c in list_managed(docker_client)
+                    if c.owner.endswith(f":{os.getpid()}") and c.status == "running"]
             assert len(mine) == 1, mine
             kill_container(docker_client, mine[0].id)
         return real_create(self, *args, **{**kwargs, "max_tokens": 64})  # a short test
