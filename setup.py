@@ -10,7 +10,7 @@ from setuptools import find_packages, setup
 
 FOLDERS = {"belayer.wrappers": "wrappers", "belayer.examples": "examples"}
 
-packages = find_packages(include=["belayer", "belayer.*", "belayer_env", "belayer_env.*",
+packages = find_packages(include=["belayer", "belayer.*", "belayer_core", "belayer_core.*", "belayer_env", "belayer_env.*",
                                   "belayer_engine", "belayer_engine.*"])
 for name, folder in FOLDERS.items():
     packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]

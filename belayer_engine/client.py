@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from belayer.errors import RequestFailed, UsageError, WorkerLost
+from belayer_core.errors import RequestFailed, UsageError, WorkerLost
 from belayer_engine.sse import sse_json
 
 

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_engine import worker_auth
 from belayer_engine.lifecycle import LoopEngine, engine_router_config, running
 from belayer_engine.router import Router, RouterConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 
 
 def parse_json_object(raw: bytes, not_object: str = "request body must be a JSON object") -> dict:

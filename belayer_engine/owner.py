@@ -1,6 +1,6 @@
 """Children that never outlive their engine: owner identity, death signal, watchdog.
 
-The engine passes its identity (``belayer.procfs.OwnerId``: pid and start time, so a
+The engine passes its identity (``belayer_core.procfs.OwnerId``: pid and start time, so a
 recycled pid is never mistaken for it) to the arena, workers and shadows in
 ``BELAYER_OWNER``. Each child calls ``watch_owner`` at start: the kernel sends it a signal when its parent dies
 (``PR_SET_PDEATHSIG``, covers SIGKILL of the engine), and a small thread checks the
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from belayer.procfs import OwnerId, owner_alive
+from belayer_core.procfs import OwnerId, owner_alive
 
 ENV = "BELAYER_OWNER"
 _PR_SET_PDEATHSIG = 1

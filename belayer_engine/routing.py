@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from belayer.errors import DeviceUnhealthy, WorkerLost
+from belayer_core.errors import DeviceUnhealthy, WorkerLost
 
 log = logging.getLogger(__name__)
 

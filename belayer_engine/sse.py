@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterable, AsyncIterator
 
-from belayer.errors import WorkerLost
+from belayer_core.errors import WorkerLost
 
 
 async def sse_json(body: AsyncIterable[bytes], source: str) -> AsyncIterator[dict]:

@@ -3,7 +3,7 @@
 ``EngineWeights(engine.weights_socket).update_weights(state_dict)`` is
 ``RecoverableEngine.update_weights`` from another process: every slot, one engine-wide
 version, kept for slots that are cold-restarted. Stdlib HTTP over the Unix socket; the body
-is streamed tensor by tensor (``weights_wire``). Errors come back as ``belayer.errors`` types.
+is streamed tensor by tensor (``weights_wire``). Errors come back as ``belayer_core.errors`` types.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import socket
 from collections.abc import Mapping
 
-from belayer import errors
+from belayer_core import errors
 from belayer_engine import weights_wire
 from belayer_engine.weights_wire import ROUTE
 

@@ -10,7 +10,7 @@ the current version. A push straight to one arena (``ArenaClient``) has none of 
 Answers: 200 ``{"version", "names"}``; 400 bad body (unknown name, wrong shape or dtype,
 malformed header, short body); 409 a ``version`` not newer than the current one; 503 no
 slot could take it (infrastructure). Errors are ``{"error": {"type", "message"}}`` with a
-``belayer.errors`` class, raised again as that class by ``weights_client``.
+``belayer_core.errors`` class, raised again as that class by ``weights_client``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from belayer.errors import BelayerError, InfraError, StaleWeightVersion, UsageError
+from belayer_core.errors import BelayerError, InfraError, StaleWeightVersion, UsageError
 from belayer_engine import weights_wire
 from belayer_engine.arena import protocol as proto
 from belayer_engine.supervisor import Supervisor

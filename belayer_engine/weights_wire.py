@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 
 ROUTE = "/v1/weights"  # on the engine's weight socket
 MAX_HEADER = 1 << 26  # names and shapes of any real model stay far below this

@@ -10,22 +10,24 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from belayer_env.config import SandboxConfig
 from belayer_env.registration import register_envs
-from belayer_env.sandbox import DockerSandbox
+from belayer_env.sandbox.config import SandboxConfig
+from belayer_env.sandbox.container import DockerSandbox
 
 _LAZY = {
-    "Checkpoint": "belayer_env.checkpoint",
-    "CheckpointStore": "belayer_env.checkpoint",
-    "full_checkpoint": "belayer_env.checkpoint",
-    "full_restore": "belayer_env.checkpoint",
-    "fence": "belayer_env.fence",
-    "fork": "belayer_env.forking",
-    "ForkPool": "belayer_env.fork_pool",
-    "RestoreSpare": "belayer_env.fork_pool",
+    "Checkpoint": "belayer_env.store.manifest",
+    "CheckpointStore": "belayer_env.store.store",
+    "full_checkpoint": "belayer_env.capture.checkpoint",
+    "full_restore": "belayer_env.restore.restore",
+    "start_checkpoint": "belayer_env.capture.pending",
+    "prestage": "belayer_env.restore.prestaging",
+    "fence": "belayer_env.sandbox.fence",
+    "fork": "belayer_env.forks.fork",
+    "ForkPool": "belayer_env.forks.pool",
+    "RestoreSpare": "belayer_env.restore.spare",
     "Phase": "belayer_env.phases",
-    "RecoverableSandboxEnv": "belayer_env.env",
-    "Sandbox": "belayer_env.protocol",
+    "RecoverableSandboxEnv": "belayer_env.env.recoverable",
+    "Sandbox": "belayer_env.sandbox.protocol",
 }
 
 __all__ = ["DockerSandbox", "SandboxConfig", *_LAZY]

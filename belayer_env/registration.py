@@ -14,5 +14,5 @@ def register_envs() -> None:
     from gymnasium.envs.registration import register, registry
 
     if ENV_ID not in registry:
-        register(id=ENV_ID, entry_point="belayer_env.env:RecoverableSandboxEnv",
+        register(id=ENV_ID, entry_point="belayer_env.env.recoverable:RecoverableSandboxEnv",
                  kwargs={"checkpoint_policy": "adaptive"})

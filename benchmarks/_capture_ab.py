@@ -18,9 +18,9 @@ from pathlib import Path
 from _plotting import plot_pairs
 from checkpoint_bench import STEP, bench_sandbox, settle, summarize
 
-from belayer_env.checkpoint import full_checkpoint
-from belayer_env.checkpoint.manifest import read_manifest
-from belayer_env.checkpoint.store import CheckpointStore
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.store.manifest import read_manifest
+from belayer_env.store.store import CheckpointStore
 
 METRICS = ("frozen_s", "criu_memdump_s", "criu_frozen_s")
 

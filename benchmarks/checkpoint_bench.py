@@ -66,7 +66,7 @@ again on one machine: every name it creates (containers, Docker checkpoints, ima
 run id, every checkpoint copy it restores from carries a nonce file (Docker uploads the
 directory to containerd's content store by digest: two identical copies, or one a crashed run
 left there, collide with "content ... already exists"), and it removes what it made, containerd's
-unpacked copies of the checkpoints included (``belayer_env.checkpoint.ctrd_copies``).
+unpacked copies of the checkpoints included (``belayer_env.restore.ctrd_copies``).
 Writes ``benchmarks/results/checkpoint_bench.json`` (+ ``.png`` with matplotlib).
 """
 
@@ -88,22 +88,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, full_restore, prestage  # noqa: E402
-from belayer_env.checkpoint.ctrd_copies import remove as remove_ctrd_copy  # noqa: E402
-from belayer_env.checkpoint.ctrd_copies import write_nonce  # noqa: E402
-from belayer_env.checkpoint.manifest import read_manifest, read_manifest_digest  # noqa: E402
-from belayer_env.checkpoint.restore import wait_cleaned  # noqa: E402
-from belayer_env.checkpoint.standby import Standby  # noqa: E402
-from belayer_env.checkpoint.store import owner_tag  # noqa: E402
-from belayer_env.config import SandboxConfig  # noqa: E402
-from belayer_env.docker_api import connect  # noqa: E402
-from belayer_env.fence import kill as fence_kill  # noqa: E402
-from belayer_env.fence import remove_in_background, wait_removed  # noqa: E402
-from belayer_env.fork_pool import ForkPool, RestoreSpare  # noqa: E402
-from belayer_env.forking import fork  # noqa: E402
-from belayer_env.gc import sweep_shared_layers  # noqa: E402
-from belayer_env.sandbox import DockerSandbox, create_container  # noqa: E402
-from belayer_env.writeback import wait_flushed  # noqa: E402
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.forks.fork import fork  # noqa: E402
+from belayer_env.forks.pool import ForkPool, RestoreSpare  # noqa: E402
+from belayer_env.ops.gc import sweep_shared_layers  # noqa: E402
+from belayer_env.restore.cleanup import wait_cleaned  # noqa: E402
+from belayer_env.restore.ctrd_copies import remove as remove_ctrd_copy  # noqa: E402
+from belayer_env.restore.ctrd_copies import write_nonce  # noqa: E402
+from belayer_env.restore.prestaging import prestage
+from belayer_env.restore.restore import full_restore  # noqa: E402
+from belayer_env.restore.standby import Standby  # noqa: E402
+from belayer_env.sandbox.config import SandboxConfig  # noqa: E402
+from belayer_env.sandbox.container import DockerSandbox, create_container  # noqa: E402
+from belayer_env.sandbox.docker_api import connect  # noqa: E402
+from belayer_env.sandbox.fence import fence, remove_in_background, wait_removed  # noqa: E402
+from belayer_env.sandbox.fence import kill as fence_kill  # noqa: E402
+from belayer_env.sandbox.writeback import wait_flushed  # noqa: E402
+from belayer_env.store.manifest import read_manifest, read_manifest_digest  # noqa: E402
+from belayer_env.store.store import (
+    CheckpointStore,  # noqa: E402
+    owner_tag,  # noqa: E402
+)
 from benchmarks._plotting import save_result  # noqa: E402
 
 HEAVY_SETUP = r"""

@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from belayer_env.env import RecoverableSandboxEnv  # noqa: E402
-from belayer_env.faults import kill_container  # noqa: E402
-from belayer_env.policy import AdaptivePolicy  # noqa: E402
+from belayer_env.env.policy import AdaptivePolicy  # noqa: E402
+from belayer_env.env.recoverable import RecoverableSandboxEnv  # noqa: E402
+from belayer_env.faults.inject import kill_container  # noqa: E402
 from benchmarks._plotting import save_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

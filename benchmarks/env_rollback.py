@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plotting import pyplot, save_result  # noqa: E402
 from checkpoint_bench import HEAVY_SETUP  # noqa: E402
 
-from belayer_env.checkpoint.prestaging import staged_copies  # noqa: E402
-from belayer_env.docker_api import connect  # noqa: E402
-from belayer_env.env import EnvConfig, RecoverableSandboxEnv  # noqa: E402
+from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv  # noqa: E402
+from belayer_env.restore.prestaging import staged_copies  # noqa: E402
+from belayer_env.sandbox.docker_api import connect  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WAIT_S = 120.0

@@ -26,21 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import checkpoint_bench as bench  # noqa: E402
 
-from belayer_env import disk, forking, sandbox  # noqa: E402
-from belayer_env.checkpoint import (  # noqa: E402
-    CheckpointStore,
-    fence,
-    full_checkpoint,
-    in_memory,
-    layer,
-    prestaging,
-    restore,
-    runtime,
-    shared_layer,  # noqa: E402
-)
-from belayer_env.docker_api import connect  # noqa: E402
-from belayer_env.fork_pool import ForkPool  # noqa: E402
-from belayer_env.gc import sweep_shared_layers  # noqa: E402
+from belayer_env.capture.checkpoint import full_checkpoint  # noqa: E402
+from belayer_env.criu import runtime  # noqa: E402
+from belayer_env.forks import fork as forking  # noqa: E402
+from belayer_env.forks.pool import ForkPool  # noqa: E402
+from belayer_env.ops.gc import sweep_shared_layers  # noqa: E402
+from belayer_env.restore import prestaging, restore  # noqa: E402
+from belayer_env.sandbox import container as sandbox  # noqa: E402
+from belayer_env.sandbox import disk  # noqa: E402
+from belayer_env.sandbox.docker_api import connect  # noqa: E402
+from belayer_env.sandbox.fence import fence  # noqa: E402
+from belayer_env.store import in_memory, layer, shared_layer  # noqa: E402
+from belayer_env.store.store import CheckpointStore  # noqa: E402
 
 SPANS: list[tuple[str, str, float, float]] = []
 _lock = threading.Lock()

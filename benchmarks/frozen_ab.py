@@ -1,21 +1,21 @@
 """Frozen time with and without one of Belayer's host-level cuts, side by side.
 
 ``--knob conntrack``: CRIU walks the host's whole conntrack hash table twice inside every
-capture's freeze (``belayer_env/conntrack.py``); before each capture the table is resized
+capture's freeze (``belayer_env/host/conntrack.py``); before each capture the table is resized
 to the variant's bucket count (``default``: 262,144, the kernel's with 4 GiB or more;
 ``tuned``: what ``bash scripts/setup.sh`` sets); the count found at the start is put back
 at the end; one walk is also timed at each size from here.
 
 ``--knob cgroup-yard``: CRIU mounts every cgroup hierarchy inside the freeze unless the dump
-names a yard (``belayer_env/checkpoint/cgroup_yard.py``); ``default``: no yard (CRIU's
+names a yard (``belayer_env/criu/cgroup_yard.py``); ``default``: no yard (CRIU's
 own mounts), ``tuned``: the yard, as every dump now has.
 
 ``--knob fast-tar``: CRIU dumps each tmpfs with ``tar --create --gzip`` (GNU tar + gzip)
-unless ``belayer_env/checkpoint/fast_tar.py``'s helper comes first in its PATH;
+unless ``belayer_env/host/fast_tar.py``'s helper comes first in its PATH;
 ``default``: GNU tar, ``tuned``: the helper, as every dump now has when set-up built it.
 
 ``--knob loopback-hook``: CRIU runs ``/etc/criu/runc.conf``'s action script at every stage
-(``belayer_env/loopback.py``); ``default``: the shell script, ``tuned``: the static hook.
+(``belayer_env/host/loopback.py``); ``default``: the shell script, ``tuned``: the static hook.
 
 One sandbox (``idle`` or ``heavy``, as in checkpoint_bench.py), one store; rounds as in
 ``_capture_ab.py`` (one capture per variant each, in alternating order).
@@ -44,10 +44,10 @@ from _capture_ab import Variant, parse_args, plot_ab, print_ab, run_rounds, summ
 from _plotting import save_result  # noqa: E402
 from restore_ab import hook_knob  # noqa: E402
 
-from belayer_env import conntrack, loopback  # noqa: E402
-from belayer_env.checkpoint import cgroup_yard, fast_tar, runtime  # noqa: E402
-from belayer_env.checkpoint.store import CheckpointStore  # noqa: E402
-from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.criu import cgroup_yard, runtime  # noqa: E402
+from belayer_env.host import conntrack, fast_tar, loopback  # noqa: E402
+from belayer_env.sandbox.docker_api import connect  # noqa: E402
+from belayer_env.store.store import CheckpointStore  # noqa: E402
 
 VARIANTS = ("default", "tuned")
 DEFAULT_BUCKETS = 262144

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._plotting import save_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # belayer_env.env.SUBMIT_MARKER (no Docker import here)
+MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # belayer_env.env.recoverable.SUBMIT_MARKER (no Docker import here)
 OBSERVATION = "<returncode>{returncode}</returncode>\n<output>\n{output}</output>"
 
 

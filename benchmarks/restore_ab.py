@@ -1,14 +1,14 @@
 """Restores and forks with one of Belayer's restore-side cuts and without it, side by side.
 
 ``--knob tmpfs-tar``: CRIU refills every tmpfs of a restored sandbox with ``tar --extract
---gzip``; with ``belayer_env/checkpoint/fast_tar.py``'s helper first in dockerd's PATH
+--gzip``; with ``belayer_env/host/fast_tar.py``'s helper first in dockerd's PATH
 (``bash scripts/setup.sh`` starts dockerd so) that runs in-process. ``default``: GNU tar
 (the helper's ``restore-off`` file present, so it hands every archive over), ``tuned``: the
 helper. The restore logs of the last round are checked: every tmpfs of a ``tuned`` restore
 said it was extracted in-process, none of a ``default`` one.
 
 ``--knob loopback-hook``: CRIU runs the action script of ``/etc/criu/runc.conf`` at every
-stage (``belayer_env/loopback.py``); ``default``: the shell script, ``tuned``: the static
+stage (``belayer_env/host/loopback.py``); ``default``: the shell script, ``tuned``: the static
 hook set-up builds (swapped in place, atomically, between restores; put back at the end).
 
 ``--knob thp``: the host's transparent huge pages, ``default``: ``madvise`` (Debian's),
@@ -17,7 +17,7 @@ flipped between restores, put back as found at the end.
 
 ``--knob mount-calls``: every loop and tmpfs mount Belayer makes (a sandbox's disk cap at
 create, a fork's shared layer and images, a restore's unpacks); ``default``: through
-``mount(8)``/``umount(8)`` (what Belayer ran before ``belayer_env/mounting.py``),
+``mount(8)``/``umount(8)`` (what Belayer ran before ``belayer_env/sandbox/mounting.py``),
 ``tuned``: the system calls.
 
 Each round: an agent-like step, one capture, then per variant (alternating order) one
@@ -50,17 +50,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plotting import plot_pairs, save_result  # noqa: E402
 from checkpoint_bench import STEP, bench_sandbox, settle, summarize, sweep_shared_layers  # noqa: E402
 
-from belayer_env import loopback, mounting  # noqa: E402
-from belayer_env.checkpoint import (  # noqa: E402
-    CheckpointStore,
-    fast_tar,
-    full_checkpoint,
-    full_restore,
-    prestaging,
-)
-from belayer_env.docker_api import connect  # noqa: E402
-from belayer_env.fence import fence  # noqa: E402
-from belayer_env.forking import fork  # noqa: E402
+from belayer_env.capture.checkpoint import full_checkpoint  # noqa: E402
+from belayer_env.forks.fork import fork  # noqa: E402
+from belayer_env.host import fast_tar, loopback  # noqa: E402
+from belayer_env.restore import prestaging  # noqa: E402
+from belayer_env.restore.restore import full_restore  # noqa: E402
+from belayer_env.sandbox import mounting  # noqa: E402
+from belayer_env.sandbox.docker_api import connect  # noqa: E402
+from belayer_env.sandbox.fence import fence  # noqa: E402
+from belayer_env.store.store import CheckpointStore  # noqa: E402
 
 VARIANTS = ("default", "tuned")
 METRICS = ("restore_s", "fork_s")

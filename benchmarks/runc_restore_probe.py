@@ -31,10 +31,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from belayer_env import DockerSandbox  # noqa: E402
-from belayer_env.checkpoint import CheckpointStore, fence, full_checkpoint, layer  # noqa: E402
-from belayer_env.checkpoint.manifest import read_manifest_digest  # noqa: E402
-from belayer_env.checkpoint.prestaging import docker_root  # noqa: E402
-from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.restore.prestaging import docker_root  # noqa: E402
+from belayer_env.sandbox.docker_api import connect  # noqa: E402
+from belayer_env.sandbox.fence import fence
+from belayer_env.store import layer
+from belayer_env.store.manifest import read_manifest_digest  # noqa: E402
+from belayer_env.store.store import CheckpointStore  # noqa: E402
 
 BUNDLES = "/run/docker/containerd/daemon/io.containerd.runtime.v2.task/moby"
 HEAP = "setsid python3 -c 'import os,time; h=bytearray(os.urandom(50<<20)); time.sleep(1e9)' >/dev/null 2>&1 </dev/null & sleep 3"

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from belayer_env.config import SandboxConfig  # noqa: E402
-from belayer_env.env import EnvConfig  # noqa: E402
+from belayer_env.env.recoverable import EnvConfig  # noqa: E402
 from belayer_env.ray import SANDBOX_RESOURCE, EpisodePool, RayEnvConfig  # noqa: E402
+from belayer_env.sandbox.config import SandboxConfig  # noqa: E402
 from benchmarks._plotting import pyplot, save_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--think", type=float, default=1.0, help="think time per step, seconds")
     ap.add_argument("--out", default=str(RESULTS / "scale_bench.json"))
     args = ap.parse_args()
-    from belayer_env.docker_api import connect
+    from belayer_env.sandbox.docker_api import connect
 
     client = connect()
     shared = Path(tempfile.mkdtemp(prefix="belayer-scale-replica-"))

@@ -1,7 +1,7 @@
 """Frozen time with the capture scratch on a plain tmpfs vs the large-folio one, side by side.
 
 CRIU writes the sandbox's memory into the scratch while the sandbox is frozen
-(``belayer_env/checkpoint/scratch.py``). One sandbox (``idle`` or ``heavy``, as in
+(``belayer_env/store/scratch.py``). One sandbox (``idle`` or ``heavy``, as in
 checkpoint_bench.py), two stores: ``plain`` has its scratch in a directory of /dev/shm
 (what every capture used before), ``large`` the default root, mounted with
 ``huge=within_size``. Rounds as in ``_capture_ab.py`` (one capture per store each, in
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _capture_ab import Variant, parse_args, plot_ab, print_ab, run_rounds, summarize_ab  # noqa: E402
 from _plotting import save_result  # noqa: E402
 
-from belayer_env.checkpoint import scratch  # noqa: E402
-from belayer_env.checkpoint.store import CheckpointStore  # noqa: E402
-from belayer_env.docker_api import connect  # noqa: E402
+from belayer_env.sandbox.docker_api import connect  # noqa: E402
+from belayer_env.store import scratch  # noqa: E402
+from belayer_env.store.store import CheckpointStore  # noqa: E402
 
 VARIANTS = ("plain", "large")
 

@@ -8,7 +8,7 @@
 #   BELAYER_SKIP_PIP=1   skip installing the Python package
 #   BELAYER_SKIP_SGLANG=1  skip SGLang's venv (scripts/setup_sglang.sh; the SGLang tests then fail)
 #   BELAYER_CONNTRACK_BUCKETS  conntrack buckets to lower the host's table to (default 16384), or
-#                        `keep` (belayer_env/conntrack.py: what it costs and saves)
+#                        `keep` (belayer_env/host/conntrack.py: what it costs and saves)
 set -euo pipefail
 
 PY=${BELAYER_PYTHON:-python3}
@@ -47,7 +47,7 @@ apt_install() {
 step "Docker engine"
 docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
 # CRIU's restores (run by dockerd -> containerd -> runc) find their tmpfs tar through dockerd's
-# PATH: ours first (belayer_env/checkpoint/fast_tar.py, built below; until then, or if it is not
+# PATH: ours first (belayer_env/host/fast_tar.py, built below; until then, or if it is not
 # installed, tar is GNU tar as before)
 FAST_TAR_DIR=/usr/local/libexec/belayer-criu-tar
 dockerd_path_ok() {
@@ -197,7 +197,7 @@ else
   # wrappers/, examples/ as belayer.wrappers, belayer.examples): re-install when they change
   stamp="$ROOT $(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/*/__init__.py 2>/dev/null | sha256sum | cut -c1-16) $(cd "$ROOT" && ls -d */__init__.py | tr "\n" " ") $("$PY" -c 'import sys; print(sys.executable)')"
   if [ "$(cat "$LOG_DIR/pip-stamp" 2>/dev/null)" = "$stamp" ] \
-      && (cd / && "$PY" -c "import belayer.wrappers, belayer.examples, belayer_env, belayer_engine") 2>/dev/null; then
+      && (cd / && "$PY" -c "import belayer.wrappers, belayer.examples, belayer_core, belayer_env, belayer_engine") 2>/dev/null; then
     info "belayer installed from $ROOT (pyproject unchanged)"
   else
     info "pip install -e $ROOT[all,dev,ray]"
@@ -214,22 +214,22 @@ else
   apt_install build-essential zlib1g-dev
 fi
 
-# ------------------------------------------- CRIU loopback hook (belayer_env/loopback.py)
+# ------------------------------------------- CRIU loopback hook (belayer_env/host/loopback.py)
 step "CRIU loopback hook (sandboxes start without Docker's network stack)"
 command -v ip >/dev/null || apt_install iproute2
 command -v nsenter >/dev/null || apt_install util-linux
-hook_out=$("$PY" "$ROOT/belayer_env/loopback.py") \
+hook_out=$("$PY" "$ROOT/belayer_env/host/loopback.py") \
   || die "could not install the CRIU loopback hook"
 info "$hook_out"
 
-# --------------------------------- conntrack table (belayer_env/conntrack.py: frozen time)
+# --------------------------------- conntrack table (belayer_env/host/conntrack.py: frozen time)
 step "conntrack table (CRIU walks all of it twice inside every checkpoint's freeze)"
-ct_out=$("$PY" "$ROOT/belayer_env/conntrack.py") || die "could not size the conntrack table"
+ct_out=$("$PY" "$ROOT/belayer_env/host/conntrack.py") || die "could not size the conntrack table"
 info "$ct_out"
 
-# ------------------------- CRIU's tmpfs tar (belayer_env/checkpoint/fast_tar.py: frozen time)
+# ------------------------- CRIU's tmpfs tar (belayer_env/host/fast_tar.py: frozen time)
 step "CRIU's tmpfs tar (six tar + gzip runs inside every checkpoint's freeze and every restore, made in-process)"
-tar_out=$("$PY" "$ROOT/belayer_env/checkpoint/fast_tar.py") || die "could not build CRIU's tmpfs tar"
+tar_out=$("$PY" "$ROOT/belayer_env/host/fast_tar.py") || die "could not build CRIU's tmpfs tar"
 info "$tar_out"
 
 # ---------------------------------------------------------------- SGLang (its own venv)

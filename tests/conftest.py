@@ -32,8 +32,8 @@ def process_alive(pid: int) -> bool:
 
 @pytest.fixture(scope="session")
 def docker_client():
-    from belayer.errors import DaemonUnavailable
-    from belayer_env.docker_api import connect
+    from belayer_core.errors import DaemonUnavailable
+    from belayer_env.sandbox.docker_api import connect
 
     try:
         return connect()

@@ -85,11 +85,11 @@ def test_shared_core_imports_neither_half() -> None:
 
 
 def test_the_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
-    src = "def f():\n    from ..router import app\n    import belayer_env.sandbox\n"
+    src = "def f():\n    from ..router import app\n    import belayer_env.sandbox.container\n"
     path = ROOT / "belayer_engine" / "supervisor" / "_probe_for_test.py"
     path.write_text(src)
     try:
         names = _imports(path)
     finally:
         path.unlink()
-    assert "belayer_engine.router.app" in names and "belayer_env.sandbox" in names
+    assert "belayer_engine.router.app" in names and "belayer_env.sandbox.container" in names

@@ -6,7 +6,7 @@ fires ``delay_s`` into the step (uniform in [0, max_delay_s]): a fail-stop at a 
 point of the action. ``checkpoint_fail`` / ``restore_fail`` arm the next capture / restore
 to die at a random named phase (by killing the container or by raising inside the
 mechanism). ``injected`` lists what fired. The faults themselves are the core's
-``belayer_env.faults.FaultInjector``; this wrapper only decides when.
+``belayer_env.faults.inject.FaultInjector``; this wrapper only decides when.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import gymnasium as gym
 from pydantic import ConfigDict, Field
 
-from belayer_env.config import StrictModel
-from belayer_env.faults import ACTION_FAULTS, FaultInjector, FaultKind, How
+from belayer_env.faults.inject import ACTION_FAULTS, FaultInjector, FaultKind, How
 from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
+from belayer_env.sandbox.config import StrictModel
 
 
 class FaultInjectionConfig(StrictModel):

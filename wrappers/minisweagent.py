@@ -27,8 +27,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from belayer_env.config import SandboxConfig
-from belayer_env.env import EnvConfig, RecoverableSandboxEnv
+from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
+from belayer_env.sandbox.config import SandboxConfig
 
 try:  # the real base classes when mini-swe-agent is installed, so its agent loop handles them
     from minisweagent.exceptions import InterruptAgentFlow as _Interrupt

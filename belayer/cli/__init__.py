@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from belayer import __version__
-from belayer.errors import BelayerError, InfraError, UsageError
+from belayer_core.errors import BelayerError, InfraError, UsageError
 
 SUBCOMMANDS = ["demo", "doctor", "gc", "checkpoints", "consistency", "serve"]
 

@@ -31,8 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from belayer.errors import CheckpointNotFound, UsageError
-    from belayer_env.checkpoint.store import CheckpointStore, default_store_path
+    from belayer_core.errors import CheckpointNotFound, UsageError
+    from belayer_env.store.store import CheckpointStore, default_store_path
 
     if args.action == "rm" and not (args.ids or args.sandbox or args.incomplete):
         raise UsageError("rm needs checkpoint ids, --sandbox NAME or --incomplete")

@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from belayer.errors import UsageError
+    from belayer_core.errors import UsageError
     from belayer_env.consistency import run_consistency
 
     if args.trials < 1 or args.checkpoint_every < 1:

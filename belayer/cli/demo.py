@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 
-from belayer.config_flags import ConfigFlags
 from belayer.examples.swe_rl.config import RunConfig
+from belayer_core.config_flags import ConfigFlags
 
 # the initial weights' seed must be the arena's (both start identical), so it is not an option
 FLAGS = ConfigFlags(RunConfig, exclude=("learner.seed",), title="run (RunConfig)")

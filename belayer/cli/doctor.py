@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from belayer_env.doctor import run_checks
+    from belayer_env.ops.doctor import run_checks
 
     checks = run_checks()
     ok = all(c.ok for c in checks if c.required)

@@ -50,9 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from belayer_engine.arena.shm_files import orphaned, reap_orphans
     from belayer_engine.backends.sglang import shm_files as sglang_shm
     from belayer_engine.owner import orphans
-    from belayer_env.checkpoint import ctrd_copies
-    from belayer_env.docker_api import connect
-    from belayer_env.gc import GcReport, list_managed, remove_all, sweep_shared_layers
+    from belayer_env.ops.gc import GcReport, list_managed, remove_all, sweep_shared_layers
+    from belayer_env.restore import ctrd_copies
+    from belayer_env.sandbox.docker_api import connect
 
     engine_procs = orphans()
     ended = [] if args.dry_run else _end_processes([pid for pid, _ in engine_procs])

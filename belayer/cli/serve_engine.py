@@ -14,7 +14,7 @@ import logging
 import signal
 import threading
 
-from belayer.config_flags import ConfigFlags
+from belayer_core.config_flags import ConfigFlags
 
 ENGINE_HELP = "OpenAI-compatible recoverable engine: router + supervisor + arena/workers/shadows"
 ROUTER_HELP = "router only, in front of existing SGLang-protocol workers (no supervisor)"

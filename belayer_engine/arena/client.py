@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from belayer.errors import ArenaLost
+from belayer_core.errors import ArenaLost
 from belayer_engine.arena import protocol as proto
 
 
@@ -31,7 +31,7 @@ def _connect(path: str, timeout: float | None) -> socket.socket:
 
 
 class ArenaClient:
-    """One short connection per call; errors come back as ``belayer.errors`` types."""
+    """One short connection per call; errors come back as ``belayer_core.errors`` types."""
 
     def __init__(self, socket_path: str, timeout: float = 60.0):
         self.path = str(socket_path)

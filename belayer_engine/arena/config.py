@@ -1,5 +1,5 @@
 """The arena's configuration, torch-free: ``belayer serve arena`` and ``python -m
-belayer_engine.arena`` derive their flags from it (``belayer.config_flags``)."""
+belayer_engine.arena`` derive their flags from it (``belayer_core.config_flags``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from belayer.config_flags import ConfigFlags
+from belayer_core.config_flags import ConfigFlags
 
 
 class ArenaConfig(BaseModel):

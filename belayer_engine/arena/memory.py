@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from belayer.errors import ArenaLost
+from belayer_core.errors import ArenaLost
 from belayer_engine.arena.shm_files import reap_orphans, shm_path  # noqa: F401 - reap_orphans re-exported
 from belayer_engine.model.config import ModelConfig, kv_shape
 from belayer_engine.model.weights import torch_dtype, weight_specs

@@ -1,7 +1,7 @@
 """Wire format of the arena's control socket: one JSON object per line.
 
 A message may be followed by ``payload_nbytes`` raw bytes (tensor data of a weight
-update). Errors travel as ``{"error": {"type": <belayer.errors class>, "message": ...}}``
+update). Errors travel as ``{"error": {"type": <belayer_core.errors class>, "message": ...}}``
 and are raised again on the client side as that type.
 """
 
@@ -11,7 +11,7 @@ import json
 import socket
 from typing import BinaryIO
 
-from belayer import errors
+from belayer_core import errors
 
 MAX_LINE = 1 << 26  # a describe() answer with CUDA IPC handles stays far below this
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from belayer.errors import BelayerError, UsageError, WorkerLost
+from belayer_core.errors import BelayerError, UsageError, WorkerLost
 from belayer_engine import owner
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto

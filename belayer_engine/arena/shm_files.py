@@ -1,7 +1,7 @@
 """The arena's POSIX shared-memory files, and reaping those whose arena died (torch-free:
 ``belayer gc`` uses it).
 
-A file is named after its arena as ``belayer.procfs.OwnerId`` (pid and start time), the
+A file is named after its arena as ``belayer_core.procfs.OwnerId`` (pid and start time), the
 one owner-liveness rule of the project: a recycled pid never keeps a dead arena's files.
 """
 
@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from belayer.procfs import OwnerId, owner_alive
+from belayer_core.procfs import OwnerId, owner_alive
 
 # BELAYER_SHM_DIR: another directory (tests use a private one, out of reach of the reapers
 # of every other arena on the machine).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 

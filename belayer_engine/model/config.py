@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from belayer.errors import ConfigError
+from belayer_core.errors import ConfigError
 
 
 @dataclass(frozen=True)

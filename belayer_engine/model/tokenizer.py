@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Protocol
 
-from belayer.errors import ConfigError
+from belayer_core.errors import ConfigError
 
 BYTE_SPECIALS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 

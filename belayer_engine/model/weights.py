@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from belayer.errors import ConfigError
+from belayer_core.errors import ConfigError
 from belayer_engine.model.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

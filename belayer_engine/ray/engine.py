@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from belayer.errors import UsageError, WorkerLost
+from belayer_core.errors import UsageError, WorkerLost
 from belayer_engine import worker_auth
 from belayer_engine.lifecycle import LoopEngine, engine_router_config, running
 from belayer_engine.ray.slot_actor import EngineSlotActor

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from belayer.errors import ArenaLost, WorkerLost
+from belayer_core.errors import ArenaLost, WorkerLost
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor

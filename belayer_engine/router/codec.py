@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Protocol
 
-from belayer.errors import ConfigError
+from belayer_core.errors import ConfigError
 
 
 class Codec(Protocol):

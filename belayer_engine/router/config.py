@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from belayer.errors import ConfigError
+from belayer_core.errors import ConfigError
 
 API_KEY_ENV = "BELAYER_API_KEY"
 

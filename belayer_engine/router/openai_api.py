@@ -19,7 +19,7 @@ import uuid
 
 from aiohttp import web
 
-from belayer.errors import BelayerError, RequestFailed, UsageError
+from belayer_core.errors import BelayerError, RequestFailed, UsageError
 
 from .logprobs import LogprobFormatter
 from .recovery import Continuation, Generation

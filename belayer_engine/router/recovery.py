@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from belayer.errors import RequestFailed, WorkerLost
+from belayer_core.errors import RequestFailed, WorkerLost
 from belayer_engine.routing import RoutingTable
 
 from .config import RouterConfig

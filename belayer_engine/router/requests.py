@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_engine.json_body import parse_json_object
 
 MAX_SEED = 2**63  # seeds are 0 <= seed < 2**63 (a torch generator takes 64 bits; keep one spare)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from belayer.errors import RequestFailed, UsageError, WorkerLost
+from belayer_core.errors import RequestFailed, UsageError, WorkerLost
 from belayer_engine.routing import LOST, Endpoint
 from belayer_engine.sse import sse_json
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from belayer.errors import WorkerLost
+from belayer_core.errors import WorkerLost
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from belayer.errors import BelayerError, WorkerLost
+from belayer_core.errors import BelayerError, WorkerLost
 from belayer_engine import owner, worker_auth
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.base import SlotSpec, WorkerBackend, WorkerSpec

@@ -29,7 +29,13 @@ from typing import Any
 
 import aiohttp
 
-from belayer.errors import ArenaLost, DeviceUnhealthy, StaleWeightVersion, UsageError, WorkerLost
+from belayer_core.errors import (
+    ArenaLost,
+    DeviceUnhealthy,
+    StaleWeightVersion,
+    UsageError,
+    WorkerLost,
+)
 from belayer_engine import worker_auth
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.routing import Endpoint, RoutingTable

@@ -28,12 +28,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from belayer.errors import InfraError
+from belayer_core.errors import InfraError
 from belayer_env.consistency.workload import ACTIONS, N_STEPS, SETUP, exactly_once_violations, probe
-from belayer_env.env import EnvConfig, RecoverableSandboxEnv
-from belayer_env.faults import ACTION_FAULTS, FaultInjector
+from belayer_env.env.policy import AlwaysPolicy
+from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
+from belayer_env.faults.inject import ACTION_FAULTS, FaultInjector
 from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
-from belayer_env.policy import AlwaysPolicy
 
 Where = Literal["action", "checkpoint", "restore", "standby", "idle"]
 IDLE_FAULTS = ("kill", "oom", "kill_processes")

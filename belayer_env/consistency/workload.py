@@ -14,8 +14,8 @@ import json
 import shlex
 from typing import Any
 
-from belayer_env.protocol import Sandbox
-from belayer_env.treehash import tree_hash
+from belayer_env.sandbox.protocol import Sandbox
+from belayer_env.sandbox.treehash import tree_hash
 
 PORT = 7000
 SERVER = f"""

@@ -12,7 +12,7 @@ from __future__ import annotations
 try:
     import ray  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    from belayer.errors import UsageError
+    from belayer_core.errors import UsageError
 
     raise UsageError("belayer_env.ray needs Ray: pip install 'belayer[ray]'") from e
 

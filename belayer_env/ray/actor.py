@@ -11,9 +11,9 @@ import os
 import socket
 from typing import Any
 
-from belayer.errors import NodeLost
+from belayer_core.errors import NodeLost
+from belayer_env.env.resumable import ResumableSandboxEnv
 from belayer_env.ray.config import RayEnvConfig
-from belayer_env.resumable import ResumableSandboxEnv
 
 
 class SandboxEnvActor:

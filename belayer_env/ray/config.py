@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from belayer_env.env import EnvConfig
+from belayer_env.env.recoverable import EnvConfig
 
 SANDBOX_RESOURCE = "belayer_sandbox"
 

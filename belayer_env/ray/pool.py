@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_env.ray.config import RayEnvConfig
 from belayer_env.ray.remote_env import RemoteSandboxEnv
 

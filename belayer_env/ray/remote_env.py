@@ -19,7 +19,7 @@ import gymnasium as gym
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from belayer.errors import InfraError, NodeLost, UsageError
+from belayer_core.errors import InfraError, NodeLost, UsageError
 from belayer_env.ray.actor import actor_class
 from belayer_env.ray.config import RayEnvConfig
 
@@ -97,7 +97,7 @@ class RemoteSandboxEnv(gym.Env[str, str]):
     def _drop_replicas(self) -> None:
         if self.resume_point is None:
             return
-        from belayer_env.checkpoint.replica import ReplicaLocation
+        from belayer_env.store.replica import ReplicaLocation
 
         with contextlib.suppress(Exception):  # best effort: a later close or gc gets another chance
             ReplicaLocation(self.config.replica_url, **self.config.replica_options).remove_sandbox(

@@ -25,7 +25,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_env.ray.config import RayEnvConfig
 from belayer_env.ray.remote_env import RemoteSandboxEnv
 

@@ -16,13 +16,13 @@ import time
 import gymnasium as gym
 import openai
 
-from belayer.errors import BelayerError, InfraError
 from belayer.wrappers.chat_history import ChatHistory, parse_bash_block
+from belayer_core.errors import BelayerError, InfraError
 from belayer_engine.router.codec import load_codec
-from belayer_env.config import SandboxConfig
-from belayer_env.env import EnvConfig, RecoverableSandboxEnv
-from belayer_env.policy import AdaptivePolicy, PolicyEstimates
-from belayer_env.rewards import CommandReward
+from belayer_env.env.policy import AdaptivePolicy, PolicyEstimates
+from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
+from belayer_env.env.rewards import CommandReward
+from belayer_env.sandbox.config import SandboxConfig
 
 from .config import AgentConfig
 from .episode import Episode, Turn

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from belayer.errors import CheckpointFailed
+from belayer_core.errors import CheckpointFailed
 
 PAYLOAD, MANIFEST, PREFIX, TMP_PREFIX = "state.pt", "manifest.json", "step-", ".tmp-"
 PhaseHook = Callable[[str, int], None]

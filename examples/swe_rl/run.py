@@ -19,7 +19,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from belayer.errors import BelayerError
+from belayer_core.errors import BelayerError
 
 from .config import RunConfig
 from .faults import WorkerKiller
@@ -134,8 +134,8 @@ class Run:
     def _reap_orphans(self, pid: int) -> None:
         """Remove the containers of the killed learner's in-flight episodes (and only those)."""
         with contextlib.suppress(Exception):
-            from belayer_env.docker_api import connect
-            from belayer_env.gc import list_managed, reap
+            from belayer_env.ops.gc import list_managed, reap
+            from belayer_env.sandbox.docker_api import connect
 
             client = connect()
             reap(client, [c for c in list_managed(client) if c.orphaned and c.owner.endswith(f":{pid}")])

@@ -62,7 +62,9 @@ class Task(BaseModel):
         """Shell commands that write the repo inside a fresh sandbox (no network needed), plus
         a ``submit`` command (as in SWE-agent) that prints the env's submit marker: a short
         action matters when every byte is a token."""
-        from belayer_env.env import SUBMIT_MARKER  # lazily: the task set itself needs no Docker
+        from belayer_env.env.recoverable import (
+            SUBMIT_MARKER,  # lazily: the task set itself needs no Docker
+        )
 
         cmds = [f"mkdir -p {REPO_DIR}", f"printf '#!/bin/sh\\necho {SUBMIT_MARKER}\\n' > {SUBMIT_PATH}",
                 f"chmod +x {SUBMIT_PATH}"]

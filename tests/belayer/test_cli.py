@@ -96,8 +96,8 @@ def test_checkpoint_cli_errors_are_one_line_and_create_nothing(tmp_path):
 
 
 def test_doctor_says_what_the_capture_scratch_is(monkeypatch, tmp_path):
-    from belayer_env import doctor
-    from belayer_env.checkpoint import in_memory, scratch, store
+    from belayer_env.ops import doctor
+    from belayer_env.store import in_memory, scratch, store
 
     monkeypatch.setattr(store, "DEFAULT_SCRATCH", tmp_path)  # its belayer-scratch: not mounted
     (tmp_path / "belayer-scratch" / "ck~1-2").mkdir(parents=True)

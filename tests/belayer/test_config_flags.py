@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from belayer.cli import main
-from belayer.config_flags import ConfigFlags
-from belayer.errors import UsageError
+from belayer_core.config_flags import ConfigFlags
+from belayer_core.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """The taxonomy's shape is a contract: recovery code keys on these types."""
 
-from belayer import errors
+from belayer_core import errors
 
 
 def test_hierarchy():

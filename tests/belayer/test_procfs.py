@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from belayer.procfs import OwnerId, owner_alive, process_start_time, read_stat, session_members
+from belayer_core.procfs import OwnerId, owner_alive, process_start_time, read_stat, session_members
 
 
 def test_read_stat_of_a_real_child_with_an_awkward_name():

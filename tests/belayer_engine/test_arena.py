@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from belayer.errors import ArenaLost, UsageError
+from belayer_core.errors import ArenaLost, UsageError
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer.errors import WorkerLost
+from belayer_core.errors import WorkerLost
 from belayer_engine.client import EngineClient
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from belayer.errors import RequestFailed
+from belayer_core.errors import RequestFailed
 from belayer_engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 

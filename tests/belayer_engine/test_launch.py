@@ -21,7 +21,7 @@ def test_launch_defaults_serve_openai_and_clean_up():
         client = openai.OpenAI(base_url=engine.base_url, api_key="unused", max_retries=0)
         out = client.chat.completions.create(model="belayer-default", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
         assert out.usage.completion_tokens >= 1
-        from belayer.errors import UsageError
+        from belayer_core.errors import UsageError
         from belayer_engine.arena.client import ArenaClient
 
         version = ArenaClient(engine.arena_socket()).describe()["version"]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_engine.model.chat_template import apply_chat_template
 from belayer_engine.model.tokenizer import ByteTokenizer, load_tokenizer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer.procfs import read_stat
+from belayer_core.procfs import read_stat
 from tests.conftest import wait_until
 
 COUNTER = r'''
@@ -106,7 +106,7 @@ def log_state(sb, path="/tmp/count.log") -> tuple[int, bool]:
 
 @pytest.fixture
 def ck_store(tmp_path):
-    from belayer_env.checkpoint import CheckpointStore
+    from belayer_env.store.store import CheckpointStore
 
     return CheckpointStore(tmp_path / "store")
 
@@ -115,7 +115,8 @@ def ck_store(tmp_path):
 def make_sandbox(docker_client):
     """Factory of sandboxes with the test programs; every container of theirs is fenced at exit."""
     from belayer_env import DockerSandbox
-    from belayer_env.checkpoint import fence, runtime
+    from belayer_env.criu import runtime
+    from belayer_env.sandbox.fence import fence
 
     if why := runtime.available():
         pytest.skip(f"CRIU checkpoints unavailable: {why}")
@@ -196,7 +197,7 @@ def init_pid(sb) -> int:
 @pytest.fixture
 def criu_hold(tmp_path, monkeypatch):
     """Arm a ``CriuHold`` for this test's next dump: ``hold = criu_hold("network-lock")``."""
-    from belayer_env.checkpoint import runtime
+    from belayer_env.criu import runtime
 
     n = []
 
@@ -213,9 +214,10 @@ def criu_hold(tmp_path, monkeypatch):
 # store path, phase.
 KILL_AT = """
 import os, signal, sys
-from belayer_env.checkpoint import CheckpointStore, full_checkpoint
-from belayer_env.config import SandboxConfig
-from belayer_env.sandbox import DockerSandbox
+from belayer_env.store.store import CheckpointStore
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.sandbox.config import SandboxConfig
+from belayer_env.sandbox.container import DockerSandbox
 cid, name, store, phase = sys.argv[1:5]
 sb = DockerSandbox.attach(cid, SandboxConfig(), name)
 def hook(p):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from belayer_env.fence import sandbox_containers
+from belayer_env.sandbox.fence import sandbox_containers
 
 INFRA_WORDS = ("SandboxLost", "DaemonUnavailable", "RestoreFailed", "CheckpointFailed", "InjectedFault",
                "Docker", "docker", "container", "Traceback", "OOM", "memory limit")
@@ -17,7 +17,7 @@ def containers_of(client, name: str) -> list[dict]:
 @pytest.fixture
 def make_env(docker_client):
     """``make_env(**kwargs)`` -> RecoverableSandboxEnv; every env is closed, its containers must be gone."""
-    from belayer_env.env import RecoverableSandboxEnv
+    from belayer_env.env.recoverable import RecoverableSandboxEnv
 
     envs = []
 

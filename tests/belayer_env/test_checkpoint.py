@@ -6,9 +6,11 @@ import threading
 
 import pytest
 
-from belayer.errors import CheckpointFailed, RestoreFailed
-from belayer_env.checkpoint import full_checkpoint, full_restore, start_checkpoint
-from belayer_env.treehash import tree_hash
+from belayer_core.errors import CheckpointFailed, RestoreFailed
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.capture.pending import start_checkpoint
+from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import (
     TRY_LOCK,
     http_get,

@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
-    from belayer_env.checkpoint import ctrd_copies, prestaging, runtime, shared_layer
+    from belayer_env.criu import runtime
+    from belayer_env.restore import ctrd_copies, prestaging
+    from belayer_env.store import shared_layer
 
     if why := runtime.available():
         pytest.skip(f"CRIU checkpoints unavailable: {why}")
@@ -50,7 +52,8 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
 
 
 def test_restore_ab_compares_both_extractions_and_puts_the_switch_back(tmp_path, docker_client):
-    from belayer_env.checkpoint import fast_tar, runtime
+    from belayer_env.criu import runtime
+    from belayer_env.host import fast_tar
 
     if why := runtime.available():
         pytest.skip(f"CRIU checkpoints unavailable: {why}")
@@ -71,7 +74,8 @@ def test_restore_ab_compares_both_extractions_and_puts_the_switch_back(tmp_path,
 
 
 def test_scratch_ab_measures_both_scratch_kinds_and_cleans_up(tmp_path, docker_client):
-    from belayer_env.checkpoint import in_memory, runtime
+    from belayer_env.criu import runtime
+    from belayer_env.store import in_memory
 
     if why := runtime.available():
         pytest.skip(f"CRIU checkpoints unavailable: {why}")
@@ -91,8 +95,8 @@ def test_scratch_ab_measures_both_scratch_kinds_and_cleans_up(tmp_path, docker_c
 
 
 def test_frozen_ab_measures_both_table_sizes_and_puts_the_table_back(tmp_path, docker_client):
-    from belayer_env import conntrack
-    from belayer_env.checkpoint import runtime
+    from belayer_env.criu import runtime
+    from belayer_env.host import conntrack
 
     if why := runtime.available():
         pytest.skip(f"CRIU checkpoints unavailable: {why}")

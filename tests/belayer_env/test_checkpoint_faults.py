@@ -16,8 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from belayer.errors import CheckpointFailed
-from belayer_env.checkpoint import CheckpointStore, full_checkpoint, full_restore, runtime
+from belayer_core.errors import CheckpointFailed
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.criu import runtime
+from belayer_env.restore.restore import full_restore
+from belayer_env.store.store import CheckpointStore
 from tests.belayer_env.conftest_checkpoint import (
     HOLD_ACTIONS,
     KILL_AT,

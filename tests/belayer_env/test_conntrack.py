@@ -1,4 +1,4 @@
-"""The conntrack table set-up sizes (``belayer_env.conntrack``): lowered, never raised, kept
+"""The conntrack table set-up sizes (``belayer_env.host.conntrack``): lowered, never raised, kept
 across reboots, a clear error for a bad knob; on the real kernel table (restored after)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer_env import conntrack
+from belayer_env.host import conntrack
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(conntrack.buckets() is None or os.geteuid() != 0,

@@ -7,7 +7,7 @@ import json
 from belayer_env.consistency import run_consistency
 from belayer_env.consistency.harness import _golden
 from belayer_env.consistency.workload import ACTIONS, SETUP, exactly_once_violations, probe
-from belayer_env.env import RecoverableSandboxEnv
+from belayer_env.env.recoverable import RecoverableSandboxEnv
 
 CI_TRIALS = 30
 STANDBY_TRIALS = 12

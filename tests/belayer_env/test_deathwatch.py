@@ -6,8 +6,8 @@ import queue
 
 import pytest
 
-from belayer_env.deathwatch import DeathWatch
-from belayer_env.faults import kill_container
+from belayer_env.faults.inject import kill_container
+from belayer_env.sandbox.deathwatch import DeathWatch
 
 REPORT_WAIT_S = 30
 

@@ -6,9 +6,9 @@ import gymnasium as gym
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from belayer.errors import UsageError
-from belayer_env.env import SUBMIT_MARKER, RecoverableSandboxEnv
-from belayer_env.rewards import CommandReward, SubmissionReward
+from belayer_core.errors import UsageError
+from belayer_env.env.recoverable import SUBMIT_MARKER, RecoverableSandboxEnv
+from belayer_env.env.rewards import CommandReward, SubmissionReward
 from tests.belayer_env.conftest_env import containers_of
 
 
@@ -39,7 +39,7 @@ def test_registration_is_idempotent_and_needs_no_prior_import():
 
     register_envs()
     register_envs()  # idempotent
-    assert gym.spec(ENV_ID).entry_point == "belayer_env.env:RecoverableSandboxEnv"
+    assert gym.spec(ENV_ID).entry_point == "belayer_env.env.recoverable:RecoverableSandboxEnv"
     # a fresh interpreter that never imported belayer_env: the module-qualified id works
     code = ("import gymnasium as g; e = g.make('belayer_env:belayer/Sandbox-v0'); "
             "print(type(e.unwrapped).__name__); e.close()")
@@ -97,7 +97,7 @@ def test_command_timeout_is_an_observation_not_a_failure(make_env):
 
 
 def test_max_steps_truncates(make_env):
-    from belayer_env.env import EnvConfig
+    from belayer_env.env.recoverable import EnvConfig
 
     env = make_env(config=EnvConfig(max_steps=2), checkpoint_policy="never")
     env.reset()

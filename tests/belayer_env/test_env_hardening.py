@@ -12,14 +12,15 @@ import docker
 import pytest
 import requests
 
-from belayer.errors import RestoreFailed, UsageError
-from belayer_env import freezer
-from belayer_env.checkpoint import full_checkpoint, full_restore
-from belayer_env.checkpoint.prestaging import PREFIX, STAGED, docker_tmp, staged_copies
-from belayer_env.checkpoint.store import owner_tag
-from belayer_env.docker_api import docker_url
-from belayer_env.faults import kill_container
-from belayer_env.fence import sandbox_containers
+from belayer_core.errors import RestoreFailed, UsageError
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.faults.inject import kill_container
+from belayer_env.restore.prestaging import PREFIX, STAGED, docker_tmp, staged_copies
+from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox import freezer
+from belayer_env.sandbox.docker_api import docker_url
+from belayer_env.sandbox.fence import sandbox_containers
+from belayer_env.store.store import owner_tag
 from tests.belayer_env.conftest_checkpoint import log_state, start_counter
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.conftest import wait_until

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 
-from belayer_env.checkpoint.prestaging import discard_copies
-from belayer_env.faults import TransportBreaker, kill_container, kill_processes, oom_container
-from belayer_env.policy import AlwaysPolicy
-from belayer_env.treehash import tree_hash
+from belayer_env.env.policy import AlwaysPolicy
+from belayer_env.faults.inject import (
+    TransportBreaker,
+    kill_container,
+    kill_processes,
+    oom_container,
+)
+from belayer_env.restore.prestaging import discard_copies
+from belayer_env.sandbox.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import init_pid
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.conftest import process_alive, wait_until

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from belayer.errors import CheckpointFailed
-from belayer_env import faults, freezer
-from belayer_env.checkpoint import full_checkpoint
-from belayer_env.faults import _oom_from_host, _sandbox_cgroups, oom_container
+from belayer_core.errors import CheckpointFailed
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.faults import inject as faults
+from belayer_env.faults.inject import _oom_from_host, _sandbox_cgroups, oom_container
+from belayer_env.sandbox import freezer
 from tests.conftest import wait_until
 
 

@@ -21,25 +21,20 @@ from pathlib import Path
 import pytest
 
 from belayer.cli import main as cli_main
-from belayer.errors import RestoreFailed, UsageError
-from belayer.procfs import mounts
+from belayer_core.errors import RestoreFailed, UsageError
+from belayer_core.procfs import mounts
 from belayer_env import fork
-from belayer_env.checkpoint import (
-    ctrd_copies,
-    fence,
-    full_checkpoint,
-    full_restore,
-    in_memory,
-    prestaging,
-    runtime,
-    shared_layer,
-)
-from belayer_env.checkpoint.manifest import read_manifest_digest
-from belayer_env.checkpoint.restore import wait_cleaned
-from belayer_env.checkpoint.store import owner_tag
-from belayer_env.fence import sandbox_containers
-from belayer_env.gc import list_managed, sweep_shared_layers
-from belayer_env.treehash import tree_hash
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.criu import runtime
+from belayer_env.ops.gc import list_managed, sweep_shared_layers
+from belayer_env.restore import ctrd_copies, prestaging
+from belayer_env.restore.cleanup import wait_cleaned
+from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox.fence import fence, sandbox_containers
+from belayer_env.sandbox.treehash import tree_hash
+from belayer_env.store import in_memory, shared_layer
+from belayer_env.store.manifest import read_manifest_digest
+from belayer_env.store.store import owner_tag
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.conftest import wait_until
 
@@ -373,10 +368,10 @@ def test_a_corrupt_checkpoint_forks_into_nothing(make_sandbox, ck_store, docker_
 KILLED_AFTER_IMAGES = """
 import os, signal, sys
 from pathlib import Path
-from belayer_env import fork_ahead
-from belayer_env.checkpoint import CheckpointStore
-from belayer_env.checkpoint.manifest import read_manifest_digest
-from belayer_env.docker_api import connect
+from belayer_env.forks import ahead as fork_ahead
+from belayer_env.store.store import CheckpointStore
+from belayer_env.store.manifest import read_manifest_digest
+from belayer_env.sandbox.docker_api import connect
 ck = CheckpointStore(Path(sys.argv[1])).get(sys.argv[2])
 data, _ = read_manifest_digest(Path(ck.path))
 print(fork_ahead.verified_images(ck, connect(), data), flush=True)

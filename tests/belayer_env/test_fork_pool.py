@@ -18,14 +18,17 @@ from pathlib import Path
 import pytest
 
 from belayer.cli import main as cli_main
-from belayer.errors import ConfigError, UsageError
+from belayer_core.errors import ConfigError, UsageError
 from belayer_env import fork
-from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestaging, shared_layer
-from belayer_env.checkpoint.manifest import read_manifest_digest
-from belayer_env.fence import sandbox_containers
-from belayer_env.fork_pool import ForkPool
-from belayer_env.gc import list_managed, sweep_shared_layers
-from belayer_env.treehash import tree_hash
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.forks.pool import ForkPool
+from belayer_env.ops.gc import list_managed, sweep_shared_layers
+from belayer_env.restore import prestaging
+from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox.fence import fence, sandbox_containers
+from belayer_env.sandbox.treehash import tree_hash
+from belayer_env.store import shared_layer
+from belayer_env.store.manifest import read_manifest_digest
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.conftest import wait_until
 
@@ -138,7 +141,7 @@ def test_bad_pool_arguments_are_usage_errors(make_sandbox, ck_store, docker_clie
         fork(ck, 1, client=docker_client, pool=pool, share=False)
     with pytest.raises(UsageError, match="takes a Checkpoint"):
         pool.prepare(ck.id)  # an id, not the checkpoint
-    from belayer_env.env import EnvConfig
+    from belayer_env.env.recoverable import EnvConfig
 
     with pytest.raises((ConfigError, ValueError)):
         EnvConfig(fork_pool=65)
@@ -147,7 +150,7 @@ def test_bad_pool_arguments_are_usage_errors(make_sandbox, ck_store, docker_clie
 KILLED_WITH_A_POOL = """
 import os, signal, sys
 from belayer_env import DockerSandbox
-from belayer_env.fork_pool import ForkPool, RestoreSpare
+from belayer_env.forks.pool import ForkPool, RestoreSpare
 sb = DockerSandbox(name_prefix="belayer-test-poolowner")
 pool = {make}
 pool.fill()
@@ -203,7 +206,7 @@ def test_env_forks_start_in_its_pool_and_it_refills(make_env, docker_client):
 
 def test_a_pool_verifies_the_newest_checkpoint_ahead_and_its_forks_only_start(make_sandbox, ck_store, docker_client,
                                                                               pools, monkeypatch):
-    from belayer_env import forking
+    from belayer_env.forks import fork as forking
 
     src, h0, pool = _source_with_a_pool(make_sandbox, pools)
     ck1 = full_checkpoint(src, ck_store, 1)

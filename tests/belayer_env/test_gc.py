@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from belayer.cli import main as cli_main
-from belayer_env.gc import list_managed
+from belayer_env.ops.gc import list_managed
 
 CHILD = """
 import os, signal, sys
@@ -56,7 +56,7 @@ def test_gc_thaws_wedged_containers_and_reports_one_it_cannot_remove(docker_clie
     mid-pause), one paused through Docker, one Docker cannot remove (an immutable file in its
     layer; a capped layer is unmounted as a whole, so this one has none). gc removes the first
     two and reports the third with the reason."""
-    from belayer_env import freezer
+    from belayer_env.sandbox import freezer
 
     p = subprocess.run([sys.executable, "-c", WEDGED], capture_output=True, text=True, timeout=180,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

@@ -1,4 +1,4 @@
-"""Sandboxes without Docker's network stack (``belayer_env.loopback``): real containers, real CRIU.
+"""Sandboxes without Docker's network stack (``belayer_env.host.loopback``): real containers, real CRIU.
 
 What matters: a restored sandbox's loopback is up before its processes run (a server on
 127.0.0.1 keeps answering, a connection made before the checkpoint goes on), ``localhost``
@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from belayer.errors import RestoreFailed
-from belayer_env import freezer, loopback
-from belayer_env.checkpoint import full_checkpoint, full_restore
-from belayer_env.fence import kill
-from belayer_env.native import BuildError
+from belayer_core.errors import RestoreFailed
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.host import loopback
+from belayer_env.host.native import BuildError
+from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox import freezer
+from belayer_env.sandbox.fence import kill
 
 pytestmark = pytest.mark.skipif(not loopback.installed(), reason="CRIU loopback hook not installed "
                                 "(bash scripts/setup.sh)")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from belayer.procfs import mounts
-from belayer_env import disk, mounting
-from belayer_env.checkpoint import in_memory
+from belayer_core.procfs import mounts
+from belayer_env.sandbox import disk, mounting
+from belayer_env.store import in_memory
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(mounting.LOOP_CONTROL),

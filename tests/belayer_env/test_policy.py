@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from belayer.errors import ConfigError
-from belayer_env.policy import (
+from belayer_core.errors import ConfigError
+from belayer_env.env.policy import (
     AdaptivePolicy,
     AlwaysPolicy,
     CheckpointPolicy,

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from belayer_env.checkpoint import full_checkpoint, full_restore, prestage, start_checkpoint
-from belayer_env.checkpoint.prestaging import FILLING, docker_tmp, staged_copies
-from belayer_env.checkpoint.store import owner_tag
-from belayer_env.treehash import tree_hash
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.capture.pending import start_checkpoint
+from belayer_env.restore.prestaging import FILLING, docker_tmp, prestage, staged_copies
+from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox.treehash import tree_hash
+from belayer_env.store.store import owner_tag
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.belayer_env.test_checkpoint import EXCLUDE, FS_CHANGES
 from tests.conftest import wait_until
@@ -26,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 KILL_AT = """
 import os, signal, sys
-from belayer_env.checkpoint import CheckpointStore, prestage
+from belayer_env.store.store import CheckpointStore
+from belayer_env.restore.prestaging import prestage
 store, ck_id, phase = sys.argv[1:4]
 def hook(p):
     if p == phase:
@@ -166,7 +169,7 @@ def test_copy_of_a_removed_checkpoint_is_dropped(make_sandbox, ck_store, docker_
 def test_clean_up_unmounts_a_dead_prestage_in_memory_unpack(docker_client):
     """A prestage killed while its unpacked tree sat on its tmpfs (``work/fsroot``) leaves a
     mount below its dir: the next clean-up unmounts it and removes the dir."""
-    from belayer_env.checkpoint.prestaging import clean_dead_staging
+    from belayer_env.restore.prestaging import clean_dead_staging
 
     tmp = docker_tmp(docker_client)
     dead = tmp / f"{FILLING}deadbeef0000~{2**22 + 7}-1"  # an owner that is not alive

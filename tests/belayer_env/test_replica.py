@@ -11,16 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from belayer.errors import CheckpointNotFound
-from belayer_env.checkpoint import CheckpointStore, full_checkpoint, full_restore
-from belayer_env.checkpoint.replica import (
+from belayer_core.errors import CheckpointNotFound
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.env.policy import AlwaysPolicy
+from belayer_env.faults.inject import kill_container
+from belayer_env.restore.restore import full_restore
+from belayer_env.store.replica import (
     EPISODE,
     MARKER_SUFFIX,
     ReplicaLocation,
     ReplicatedCheckpointStore,
 )
-from belayer_env.faults import kill_container
-from belayer_env.policy import AlwaysPolicy
+from belayer_env.store.store import CheckpointStore
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.belayer_env.test_env_recovery import BUMP, COUNTER
 
@@ -33,7 +35,7 @@ def replica_url(tmp_path):
 @pytest.fixture
 def make_resumable(docker_client):
     """``make_resumable(**kwargs)`` -> ResumableSandboxEnv; closed newest first at teardown."""
-    from belayer_env.resumable import ResumableSandboxEnv
+    from belayer_env.env.resumable import ResumableSandboxEnv
 
     envs = []
 
@@ -103,7 +105,7 @@ def test_uncommitted_or_corrupt_replicas_are_never_used(make_sandbox, tmp_path, 
 def test_cancel_landing_during_publish_leaves_nothing_published(make_sandbox, tmp_path, replica_url):
     """A capture cancelled after it was written, while it uploads and publishes: the
     published checkpoint is removed again, locally and at the URL (cancel = publish nothing)."""
-    from belayer_env.checkpoint import start_checkpoint
+    from belayer_env.capture.pending import start_checkpoint
     from belayer_env.phases import Phase
 
     store = ReplicatedCheckpointStore(tmp_path / "node-a", replica_url, keep=None)

@@ -13,14 +13,16 @@ import os
 
 import pytest
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_env import fork
-from belayer_env.checkpoint import fence, full_checkpoint, full_restore, prestage
-from belayer_env.faults import kill_container
-from belayer_env.fence import sandbox_containers
-from belayer_env.fork_pool import RestoreSpare
-from belayer_env.gc import list_managed
-from belayer_env.treehash import tree_hash
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.faults.inject import kill_container
+from belayer_env.ops.gc import list_managed
+from belayer_env.restore.prestaging import prestage
+from belayer_env.restore.restore import full_restore
+from belayer_env.restore.spare import RestoreSpare
+from belayer_env.sandbox.fence import fence, sandbox_containers
+from belayer_env.sandbox.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 
 

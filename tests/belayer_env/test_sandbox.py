@@ -6,9 +6,15 @@ import threading
 
 import pytest
 
-from belayer.errors import ConfigError, DaemonUnavailable, InvalidAction, SandboxLost, UsageError
+from belayer_core.errors import (
+    ConfigError,
+    DaemonUnavailable,
+    InvalidAction,
+    SandboxLost,
+    UsageError,
+)
 from belayer_env import DockerSandbox, SandboxConfig
-from belayer_env.output import TRUNCATION_MARKER
+from belayer_env.sandbox.output import TRUNCATION_MARKER
 from tests.conftest import wait_until
 
 

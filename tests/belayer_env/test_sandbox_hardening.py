@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from belayer.errors import CheckpointFailed, InvalidAction, UsageError
+from belayer_core.errors import CheckpointFailed, InvalidAction, UsageError
 from belayer_env import DockerSandbox, SandboxConfig
-from belayer_env.config import DEFAULT_CAPABILITIES, DOCKER_DEFAULT_CAPABILITIES
-from belayer_env.sandbox import MAX_COMMAND_BYTES
+from belayer_env.sandbox.config import DEFAULT_CAPABILITIES, DOCKER_DEFAULT_CAPABILITIES
+from belayer_env.sandbox.container import MAX_COMMAND_BYTES
 from tests.conftest import wait_until
 
 SEQ_BYTES = sum(len(str(i)) + 1 for i in range(1, 20_000_001))  # `seq 1 20000000` prints this many bytes
@@ -147,9 +147,9 @@ def test_a_cut_exec_stream_is_never_a_result(docker_client):
     ``SandboxLost``, never a result."""
     import threading
 
-    from belayer.errors import SandboxLost
-    from belayer_env.docker_api import connect
-    from belayer_env.faults import TransportBreaker
+    from belayer_core.errors import SandboxLost
+    from belayer_env.faults.inject import TransportBreaker
+    from belayer_env.sandbox.docker_api import connect
 
     client = connect()  # its own client: the breaker wraps this one's exec_start
     breaker = TransportBreaker(client)
@@ -207,7 +207,9 @@ def test_default_disk_cap_and_none(docker_client):
 
 
 def test_capped_layer_checkpoint_restore_and_capture_limit(make_sandbox, tmp_path, docker_client):
-    from belayer_env.checkpoint import CheckpointStore, full_checkpoint, full_restore
+    from belayer_env.capture.checkpoint import full_checkpoint
+    from belayer_env.restore.restore import full_restore
+    from belayer_env.store.store import CheckpointStore
 
     store = CheckpointStore(tmp_path / "store", max_layer_bytes=64 * 2**20)
     sb = make_sandbox(disk="512m")
@@ -237,7 +239,8 @@ def test_capped_layer_checkpoint_restore_and_capture_limit(make_sandbox, tmp_pat
 
 def test_capture_limit_without_a_disk_cap(make_sandbox, tmp_path):
     """No capped file system to measure: the tar itself is bounded (RLIMIT_FSIZE)."""
-    from belayer_env.checkpoint import CheckpointStore, full_checkpoint
+    from belayer_env.capture.checkpoint import full_checkpoint
+    from belayer_env.store.store import CheckpointStore
 
     store = CheckpointStore(tmp_path / "store", max_layer_bytes=32 * 2**20)
     sb = make_sandbox(disk=None)
@@ -279,7 +282,7 @@ def test_every_way_of_configuring_validates_the_same(bad, field, docker_client):
     import gymnasium as gym
 
     import belayer_env  # noqa: F401 - registers the env
-    from belayer_env.env import EnvConfig, RecoverableSandboxEnv
+    from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
 
     ways = {
         "DockerSandbox": lambda: DockerSandbox(client=docker_client, **bad),

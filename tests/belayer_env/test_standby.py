@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from belayer_env import freezer
-from belayer_env.checkpoint import full_checkpoint
-from belayer_env.checkpoint.standby import Standby
-from belayer_env.env import EnvConfig
-from belayer_env.faults import FaultInjector, InjectedFault, kill_container
-from belayer_env.fence import sandbox_containers
-from belayer_env.gc import list_managed
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.env.policy import AdaptivePolicy, AlwaysPolicy, NeverPolicy
+from belayer_env.env.recoverable import EnvConfig
+from belayer_env.faults.inject import FaultInjector, InjectedFault, kill_container
+from belayer_env.ops.gc import list_managed
 from belayer_env.phases import Phase
-from belayer_env.policy import AdaptivePolicy, AlwaysPolicy, NeverPolicy
+from belayer_env.restore.standby import Standby
+from belayer_env.sandbox import freezer
+from belayer_env.sandbox.fence import sandbox_containers
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.belayer_env.test_env_recovery import BUMP, COUNTER

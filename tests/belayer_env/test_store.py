@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from belayer.errors import CheckpointFailed, CheckpointNotFound
-from belayer_env.checkpoint.capture import new_id
-from belayer_env.checkpoint.manifest import write_manifest
-from belayer_env.checkpoint.store import CheckpointStore
-from belayer_env.config import SandboxConfig
+from belayer_core.errors import CheckpointFailed, CheckpointNotFound
+from belayer_env.capture.checkpoint import new_id
+from belayer_env.sandbox.config import SandboxConfig
+from belayer_env.store.manifest import write_manifest
+from belayer_env.store.store import CheckpointStore
 
 
 def publish(store: CheckpointStore, sandbox: str, step: int, payload: bytes = b"x" * 100):
@@ -65,7 +65,7 @@ def test_prune_keeps_newest_and_remove(tmp_path):
 def test_clean_incomplete_removes_only_dead_writers(tmp_path):
     store = CheckpointStore(tmp_path / "s", scratch=tmp_path)
     mine = store.new_staging("sb.000001.00000000")
-    dead = subprocess.run([sys.executable, "-c", "from belayer_env.checkpoint.store import CheckpointStore as S; "
+    dead = subprocess.run([sys.executable, "-c", "from belayer_env.store.store import CheckpointStore as S; "
                            f"S({str(store.path)!r}, scratch={str(tmp_path)!r}).new_staging('sb.000002.11111111'); "
                            f"S({str(store.path)!r}, scratch={str(tmp_path)!r}).new_scratch('sb.000002.11111111')"],
                           check=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from belayer_env.treehash import tree_hash
+from belayer_env.sandbox.treehash import tree_hash
 
 
 @pytest.mark.parametrize("change", [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from belayer_env import writeback
+from belayer_env.sandbox import writeback
 
 MIB = 1 << 20
 

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from belayer.examples.swe_rl.tasks import sample_tasks
-from belayer_env.faults import kill_container
-from belayer_env.gc import list_managed
+from belayer_env.faults.inject import kill_container
+from belayer_env.ops.gc import list_managed
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from belayer.examples.swe_rl.tasks import REPO_DIR, all_tasks, sample_tasks
 from belayer_env import DockerSandbox
-from belayer_env.env import SUBMIT_MARKER
+from belayer_env.env.recoverable import SUBMIT_MARKER
 
 
 def test_tasks_fail_before_and_pass_after_fix(docker_client):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from belayer.wrappers.chat_history import ChatHistory, parse_bash_block
-from belayer_env.faults import kill_container
+from belayer_env.faults.inject import kill_container
 
 
 def test_parse_bash_block():

@@ -15,7 +15,7 @@ from belayer.wrappers.minisweagent import (
     RecoverableDockerEnvironmentConfig,
     RolledBack,
 )
-from belayer_env.faults import kill_container
+from belayer_env.faults.inject import kill_container
 
 # DockerEnvironmentConfig's fields in mini-swe-agent 2.x (src/minisweagent/environments/docker.py)
 MSWEA_FIELDS = {"image", "cwd", "env", "forward_env", "timeout", "executable", "run_args",

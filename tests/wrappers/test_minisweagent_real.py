@@ -21,7 +21,7 @@ from minisweagent.exceptions import InterruptAgentFlow  # noqa: E402
 from minisweagent.models.test_models import DeterministicModel, make_output  # noqa: E402
 
 from belayer.wrappers.minisweagent import RolledBack  # noqa: E402
-from belayer_env.faults import kill_container  # noqa: E402
+from belayer_env.faults.inject import kill_container  # noqa: E402
 from tests.belayer_env.conftest_env import assert_no_infra_text  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 

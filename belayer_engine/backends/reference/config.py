@@ -8,7 +8,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from belayer.config_flags import ConfigFlags
+from belayer_core.config_flags import ConfigFlags
 
 
 class WorkerConfig(BaseModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from belayer.errors import WorkerLost
+from belayer_core.errors import WorkerLost
 from belayer_engine.backends.base import SlotSpec, WorkerSpec
 from belayer_engine.supervisor.processes import http_status
 

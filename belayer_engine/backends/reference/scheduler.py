@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
 from belayer_engine.backends.reference.sampling import (
     SamplingError,

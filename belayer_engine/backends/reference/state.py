@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from belayer.errors import ArenaLost
+from belayer_core.errors import ArenaLost
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch

@@ -21,7 +21,7 @@ from typing import Literal, NoReturn
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from belayer.errors import ArenaLost, BelayerError, UsageError
+from belayer_core.errors import ArenaLost, BelayerError, UsageError
 from belayer_engine import owner, worker_auth
 from belayer_engine.backends.reference.config import FLAGS, WorkerConfig, add_flags
 from belayer_engine.backends.reference.sampling import MAX_TOP_LOGPROBS, SamplingParams

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from belayer.errors import ConfigError
+from belayer_core.errors import ConfigError
 
 DEFAULT_VENV = "/opt/belayer/sglang-venv"
 SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
@@ -240,7 +240,7 @@ class SGLangBackend:
         CUDA graphs; WorkerLost when the server refuses."""
         import aiohttp
 
-        from belayer.errors import WorkerLost
+        from belayer_core.errors import WorkerLost
 
         try:
             async with session.post(f"{url}/{action}_memory_occupation", json={"tags": list(self.RELEASABLE)},
@@ -253,7 +253,7 @@ class SGLangBackend:
     async def promote(self, session, url: str, timeout: float) -> float | None:
         import time
 
-        from belayer.errors import BelayerError, WorkerLost
+        from belayer_core.errors import BelayerError, WorkerLost
 
         t0 = time.perf_counter()
         if url in self._released:  # KV and graphs back before anything can be routed here

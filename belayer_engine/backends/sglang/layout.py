@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import torch_dtype, weight_specs
 

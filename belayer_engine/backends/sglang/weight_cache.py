@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from belayer.errors import UsageError, WorkerLost
+from belayer_core.errors import UsageError, WorkerLost
 from belayer_engine.model.config import ModelConfig
 
 from .layout import SGLangWeights

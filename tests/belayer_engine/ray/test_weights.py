@@ -80,7 +80,7 @@ def test_update_reaches_every_slot_and_a_cold_restarted_arena_catches_up(cluster
     import openai
     import ray
 
-    from belayer.errors import UsageError
+    from belayer_core.errors import UsageError
     from belayer_engine.ray import RayEngine, RayEngineConfig
 
     full, partial = _weights()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_engine.supervisor.supervisor import private_run_dir
 
 

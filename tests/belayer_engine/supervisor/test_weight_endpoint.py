@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from belayer.errors import StaleWeightVersion, UsageError
+from belayer_core.errors import StaleWeightVersion, UsageError
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.model.config import ModelConfig

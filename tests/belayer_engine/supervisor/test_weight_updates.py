@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from belayer.errors import UsageError
+from belayer_core.errors import UsageError
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights

@@ -10,8 +10,10 @@ from pathlib import Path
 import pycriu
 import pytest
 
-from belayer.procfs import mount_roots
-from belayer_env.checkpoint import cgroup_yard, full_checkpoint, full_restore, runtime
+from belayer_core.procfs import mount_roots
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.criu import cgroup_yard, runtime
+from belayer_env.restore.restore import full_restore
 from tests.belayer_env.conftest_checkpoint import log_state, start_counter
 
 

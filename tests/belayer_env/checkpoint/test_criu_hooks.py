@@ -12,7 +12,7 @@ import os
 import subprocess
 import time
 
-from belayer_env.checkpoint.criu_hooks import HookRelay
+from belayer_env.criu.hooks import HookRelay
 
 
 class _SplitAnswer:

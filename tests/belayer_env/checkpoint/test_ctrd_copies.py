@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from belayer_env.checkpoint import ctrd_copies
-from belayer_env.checkpoint.store import owner_tag
+from belayer_env.restore import ctrd_copies
+from belayer_env.store.store import owner_tag
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,7 +50,7 @@ def containerd_tmp():
 
 def _dead_owner_tag() -> str:
     """The owner tag of a process that has exited."""
-    out = subprocess.run([sys.executable, "-c", "from belayer_env.checkpoint.store import owner_tag; "
+    out = subprocess.run([sys.executable, "-c", "from belayer_env.store.store import owner_tag; "
                           "print(owner_tag())"], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     return out.stdout.strip()

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from belayer_env.checkpoint import fast_tar, full_checkpoint, full_restore, runtime
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.criu import runtime
+from belayer_env.host import fast_tar
+from belayer_env.restore.restore import full_restore
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: set-up builds the helper")
 
@@ -279,7 +282,7 @@ def test_check_refuses_a_tar_that_extracts_otherwise(helper, tmp_path):
 
 
 def test_a_bad_switch_value_is_a_usage_error_naming_it():
-    r = subprocess.run(["python3", "-c", "import belayer_env.checkpoint.runtime"], capture_output=True, text=True,
+    r = subprocess.run(["python3", "-c", "import belayer_env.criu.runtime"], capture_output=True, text=True,
                        env={**os.environ, "BELAYER_CRIU_FAST_TAR": "yes"})
     assert r.returncode != 0 and "BELAYER_CRIU_FAST_TAR must be 0 or 1, got 'yes'" in r.stderr
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from belayer.procfs import mounts
-from belayer_env.checkpoint import in_memory
+from belayer_core.procfs import mounts
+from belayer_env.store import in_memory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 

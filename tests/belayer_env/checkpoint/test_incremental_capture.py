@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from belayer_env import freezer
-from belayer_env.checkpoint import full_checkpoint, full_restore
-from belayer_env.checkpoint.incremental import RACY_NS
-from belayer_env.checkpoint.manifest import read_manifest
-from belayer_env.treehash import tree_hash
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.capture.incremental import RACY_NS
+from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox import freezer
+from belayer_env.sandbox.treehash import tree_hash
+from belayer_env.store.manifest import read_manifest
 from tests.belayer_env.conftest_checkpoint import (
     KILL_AT,
     http_get,
@@ -217,7 +218,7 @@ def test_mirror_keeps_the_scanned_mtime_of_a_directory_criu_touches(tmp_path, mo
     checkpoint's layer) must keep the scanned mtime, the one its index records, or the first
     capture after a restore of that checkpoint finds /tmp "unchanged" yet different (seen
     once at load ~50: "1 entries unchanged since the restore of ... differ ... 'tmp'")."""
-    from belayer_env.checkpoint import incremental
+    from belayer_env.capture import incremental
 
     upper, scratch = tmp_path / "upper", tmp_path / "scratch"
     (upper / "tmp").mkdir(parents=True)

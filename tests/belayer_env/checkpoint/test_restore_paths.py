@@ -19,16 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from belayer.errors import InfraError, RestoreFailed, UsageError
-from belayer.procfs import mount_of
-from belayer_env.checkpoint import ctrd_copies, full_checkpoint, full_restore, in_memory, prestage
-from belayer_env.checkpoint.prestaging import LAYER_IMAGE, PREFIX, docker_root, docker_tmp
-from belayer_env.checkpoint.restore import RESTORE_NAME, _same_mount, wait_cleaned
-from belayer_env.checkpoint.store import owner_tag
-from belayer_env.disk import layer_dir
-from belayer_env.gc import list_managed, reap
-from belayer_env.ownership import SANDBOX_NAME
-from belayer_env.treehash import tree_hash
+from belayer_core.errors import InfraError, RestoreFailed, UsageError
+from belayer_core.procfs import mount_of
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.ops.gc import list_managed, reap
+from belayer_env.restore import ctrd_copies
+from belayer_env.restore.cleanup import wait_cleaned
+from belayer_env.restore.prestaging import LAYER_IMAGE, PREFIX, docker_root, docker_tmp, prestage
+from belayer_env.restore.restore import full_restore
+from belayer_env.restore.staged import RESTORE_NAME, same_mount
+from belayer_env.sandbox.disk import layer_dir
+from belayer_env.sandbox.ownership import SANDBOX_NAME
+from belayer_env.sandbox.treehash import tree_hash
+from belayer_env.store import in_memory
+from belayer_env.store.store import owner_tag
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.belayer_env.test_checkpoint import EXCLUDE
 from tests.conftest import wait_until
@@ -38,7 +42,8 @@ FILES = "mkdir -p /work && echo one > /work/a && rm -f /etc/debian_version && he
 
 KILL_AT = """
 import os, signal, sys
-from belayer_env.checkpoint import CheckpointStore, full_restore
+from belayer_env.store.store import CheckpointStore
+from belayer_env.restore.restore import full_restore
 store, ck_id, phase = sys.argv[1:4]
 def hook(p):
     if p == phase:
@@ -239,7 +244,7 @@ def test_not_prestaged_images_are_verified_into_memory_and_unmounted_after(make_
     sb = make_sandbox()
     start_counter(sb, heap_mib=20)
     ck = full_checkpoint(sb, ck_store, 1)
-    cross_mount = not _same_mount(Path(ck.path) / "manifest.json", docker_tmp(docker_client))
+    cross_mount = not same_mount(Path(ck.path) / "manifest.json", docker_tmp(docker_client))
     held: list[tuple[str, str, str]] = []
 
     links: list[tuple[str, str, str] | None] = []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from belayer.procfs import mounts
-from belayer_env.checkpoint import in_memory, scratch
+from belayer_core.procfs import mounts
+from belayer_env.store import in_memory, scratch
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root"),
               pytest.mark.skipif(not in_memory.huge_supported(), reason="no transparent huge pages for shmem")]

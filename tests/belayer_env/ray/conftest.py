@@ -60,8 +60,8 @@ def lose_node(cluster, node, pids: list[int], docker_client) -> list[str]:
     actors die, so their replacements are placed on a live node. Returns the ids of the
     containers killed (found by the belayer owner labels of the lost actors).
     """
-    from belayer_env.faults import kill_container
-    from belayer_env.ownership import OWNER_HOST, OWNER_PID
+    from belayer_env.faults.inject import kill_container
+    from belayer_env.sandbox.ownership import OWNER_HOST, OWNER_PID
 
     cluster.remove_node(node, allow_graceful=False)
     wait_until(lambda: not node_alive(node.node_id), 30, f"Ray to see node {node.node_id[:12]} dead")

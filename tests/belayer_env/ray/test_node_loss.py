@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from belayer_env.config import SandboxConfig
-from belayer_env.env import SUBMIT_MARKER, EnvConfig
+from belayer_env.env.recoverable import SUBMIT_MARKER, EnvConfig
 from belayer_env.ray import EpisodePool, RayEnvConfig, RayVectorEnv
+from belayer_env.sandbox.config import SandboxConfig
 from tests.belayer_env.ray.conftest import lose_node
 from tests.belayer_env.test_env_recovery import BUMP, COUNTER
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CORE = ("belayer_env", "belayer_env.env", "belayer_env.checkpoint", "belayer_env.resumable",
-        "belayer_env.checkpoint.replica", "belayer_env.registration")
+CORE = ("belayer_env", "belayer_env.env.recoverable", "belayer_env.checkpoint", "belayer_env.env.resumable",
+        "belayer_env.store.replica", "belayer_env.registration")
 
 
 def test_core_never_imports_ray():

@@ -130,7 +130,7 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
     (the serving worker keeps prefill graphs); impossible requests are errors, not ignored."""
     import pytest
 
-    from belayer.errors import ConfigError
+    from belayer_core.errors import ConfigError
     from belayer_engine.backends.base import SlotSpec, WorkerSpec
     from belayer_engine.backends.sglang.launcher import SGLangBackend
     from belayer_engine.supervisor.config import SupervisorConfig

@@ -1,0 +1,221 @@
+"""Run caller code inside CRIU's own freeze (action scripts relayed over FIFOs), and read
+CRIU's frozen-time statistics.
+
+When CRIU freezes the container itself, everything it does before the freeze (start-up,
+kernel probing, runc's own work, the version query) runs while the sandbox keeps going.
+CRIU action scripts mark the window: ``pre-dump`` right before CRIU freezes the cgroup
+(the caller freezes it first: CRIU's own freeze sleeps 100 ms whenever the first read
+says FREEZING, which under load is nearly always), ``network-lock`` right after the tasks
+are seized, ``post-dump`` after every image is written and before they are resumed,
+``network-unlock`` just before CRIU lets them go. The script (one per dump, in the
+dump's 0700 work dir; ``sh``, handing ``pre-dump`` and ``post-dump`` to a bash one)
+writes the event name into one FIFO and, for ``pre-dump`` and ``post-dump``, waits for
+the answer on another; a relay thread here calls the hooks. Both FIFOs are opened read-write so no open ever blocks; an answer that never
+comes (the caller died: the script polls its pid; or it hangs past the dump timeout)
+fails the dump, and CRIU resumes the tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+STATS_FILE = "stats-dump"
+_ORPHANED = """orphaned() {{  # the checkpointer died: once CRIU (our parent) is gone, thaw what it froze
+  kill -0 {pid} 2>/dev/null && return 1
+  [ -n {freezer} ] && ( while kill -0 $PPID 2>/dev/null; do sleep 0.01; done
+                         echo {thawed} > {freezer} ) </dev/null >/dev/null 2>&1 &
+  return 0
+}}
+"""
+_SCRIPT = """#!/bin/sh
+# CRIU runs this (through sh -c) at every stage. The two stages inside the freeze that need
+# no answer stay in dash (a bash start costs ~2 ms more, twice per freeze).
+{orphaned}case "$CRTOOLS_SCRIPT_ACTION" in
+pre-dump|post-dump) exec /bin/bash {waiter} ;;
+network-lock) exec 4<>{events}; echo frozen >&4 ;;
+network-unlock) exec 4<>{events}; echo resuming >&4; orphaned; exit 0 ;;
+esac
+"""
+_WAITER = """#!/bin/bash
+# the stages that wait for the checkpointer's answer (bash: read -t)
+{orphaned}answer() {{
+  # bash reads a FIFO byte by byte: a timeout that falls between two bytes of the answer
+  # (this script descheduled, under load) returns the part read so far, so parts add up
+  local reply="" part
+  for ((i = 0; i < {polls}; i++)); do
+    if read -r -t 0.05 part <&3; then [ "$reply$part" = ok ]; exit; fi
+    reply+=$part
+    orphaned && exit 1  # fail: CRIU resumes the tasks
+  done
+  exit 1
+}}
+exec 3<>{answer} 4<>{events}
+case "$CRTOOLS_SCRIPT_ACTION" in
+pre-dump) echo freeze >&4; answer ;;
+post-dump) echo dumped >&4; answer ;;
+esac
+"""
+
+
+class CriuError(Exception):
+    """CRIU/runc could not dump or restore (message carries the log's tail). Defined here, the
+    lower of the two CRIU modules; ``runtime.CriuError`` is the same class."""
+
+
+class FreezeHooks(Protocol):
+    """What a caller runs around CRIU's frozen window."""
+
+    def freeze(self) -> None:
+        """CRIU is about to freeze the cgroup (its own freeze polls in 100 ms steps): freeze
+        it now, faster; raise to fail the dump."""
+
+    def frozen(self) -> None:
+        """The container's processes are stopped (start capturing what must match them)."""
+
+    def before_resume(self) -> None:
+        """The images are written; the processes resume when this returns (raise: fail)."""
+
+    def resuming(self) -> None:
+        """CRIU is about to let the processes go (it re-freezes a cgroup it found frozen)."""
+
+
+class HookRelay:
+    """The action script + FIFOs + relay thread of one dump; ``times`` holds monotonic
+    stamps of the events seen (``freeze``, ``frozen``, ``dumped``, ``answered``,
+    ``resuming``). ``orphan_thaw``: (freezer control file, thawed value) the script writes
+    once CRIU has exited when it finds the checkpointer dead (it froze the cgroup for CRIU:
+    nobody else would thaw it, and Docker does not know it is frozen)."""
+
+    def __init__(self, work: Path, hooks: FreezeHooks, timeout_s: float, orphan_thaw: tuple[Path, str] | None = None):
+        self.hooks = hooks
+        self.error: BaseException | None = None
+        self.times: dict[str, float] = {}
+        events, answer = work / "criu-events", work / "criu-answer"
+        os.mkfifo(events, 0o600)
+        os.mkfifo(answer, 0o600)
+        self.script = work / "criu-hook.sh"
+        waiter = work / "criu-wait.sh"
+        orphaned = _ORPHANED.format(pid=os.getpid(),
+                                    freezer=shlex.quote(str(orphan_thaw[0])) if orphan_thaw else "''",
+                                    thawed=shlex.quote(orphan_thaw[1]) if orphan_thaw else "''")
+        waiter.write_text(_WAITER.format(orphaned=orphaned, answer=shlex.quote(str(answer)),
+                                         events=shlex.quote(str(events)), polls=max(1, int(timeout_s / 0.05))))
+        self.script.write_text(_SCRIPT.format(orphaned=orphaned, waiter=shlex.quote(str(waiter)),
+                                              events=shlex.quote(str(events))))
+        for script in (waiter, self.script):
+            script.chmod(0o700)
+        self._events = os.open(events, os.O_RDWR)
+        self._answer = os.open(answer, os.O_RDWR)
+        self._thread = threading.Thread(target=self._relay, daemon=True, name="belayer-criu-hooks")
+        self._thread.start()
+
+    def _relay(self) -> None:
+        with os.fdopen(os.dup(self._events), "rb", buffering=0) as f:
+            buf = b""
+            while True:
+                chunk = f.read(64)
+                if not chunk:
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    event = line.decode(errors="replace").strip()
+                    if event == "end":
+                        return
+                    self.times.setdefault(event, time.monotonic())
+                    self._on(event)
+
+    def _on(self, event: str) -> None:
+        if event == "freeze":
+            self._call(self.hooks.freeze)
+            self._answer_now()
+        elif event == "frozen":
+            self._call(self.hooks.frozen)
+        elif event == "dumped":
+            if "frozen" not in self.times:  # no network namespace: no network-lock script
+                self.times["frozen"] = self.times["dumped"]
+                self._call(self.hooks.frozen)
+            if self.error is None:
+                self._call(self.hooks.before_resume)
+            self.times["answered"] = time.monotonic()
+            self._answer_now()
+        elif event == "resuming":
+            self._call(self.hooks.resuming)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the dump
+            self.error = self.error or e
+
+    def _answer_now(self) -> None:
+        os.write(self._answer, b"ok\n" if self.error is None else b"fail\n")
+
+    def close(self) -> None:
+        os.write(self._events, b"end\n")
+        self._thread.join()
+        os.close(self._events)
+        os.close(self._answer)
+
+    def check(self) -> None:
+        """After a successful dump: the hooks must have run inside it."""
+        if self.error is not None:
+            raise self.error
+        if "answered" not in self.times:
+            raise CriuError("CRIU finished without running the post-dump action script: "
+                            "nothing was captured inside its freeze")
+
+
+def dump_stats(work: Path) -> dict[str, int]:
+    """CRIU's own dump statistics (``stats-dump`` in the work dir): ``freezing_time`` and
+    ``frozen_time`` (microseconds), pages scanned/written. Empty if unreadable."""
+    try:
+        raw = (work / STATS_FILE).read_bytes()
+    except OSError:
+        return {}
+    if len(raw) < 12:
+        return {}
+    (size,) = struct.unpack_from("<I", raw, 8)
+    entry = _fields(raw[12:12 + size])
+    dump = entry.get(1)
+    if not isinstance(dump, bytes):
+        return {}
+    names = {1: "freezing_time", 2: "frozen_time", 3: "memdump_time", 4: "memwrite_time",
+             5: "pages_scanned", 6: "pages_skipped_parent", 7: "pages_written"}
+    return {names[k]: v for k, v in _fields(dump).items() if k in names and isinstance(v, int)}
+
+
+def _fields(buf: bytes) -> dict[int, int | bytes]:
+    """The varint and length-delimited fields of one protobuf message (enough for stats)."""
+    out: dict[int, int | bytes] = {}
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        kind = key & 7
+        if kind == 0:
+            out[key >> 3], i = _varint(buf, i)
+        elif kind == 2:
+            n, i = _varint(buf, i)
+            out[key >> 3] = buf[i:i + n]
+            i += n
+        else:
+            break
+    return out
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i

@@ -1,0 +1,359 @@
+"""The env's side of checkpointing: one capture in flight, the ready list, restore fallbacks.
+
+The mechanism is ``belayer_env.checkpoint`` (start_checkpoint / full_restore). Decisions
+are the policy's; this class only carries them out and reports timings back to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import docker
+
+from belayer_core.errors import CheckpointFailed, InfraError, RestoreFailed, SandboxLost
+from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.capture.pending import PendingCheckpoint, start_checkpoint
+from belayer_env.env.policy import CheckpointPolicy
+from belayer_env.phases import PhaseHooks
+from belayer_env.restore.prestaging import discard_copies
+from belayer_env.restore.restore import full_restore
+from belayer_env.restore.spare import RestoreSpare
+from belayer_env.restore.standby import Standby, meminfo_available, promote_or_none
+from belayer_env.sandbox.container import DockerSandbox
+from belayer_env.store.manifest import Checkpoint
+from belayer_env.store.store import CheckpointStore
+
+CANCEL_THAW_S = 10.0
+PRESTAGE_STOP_S = 30.0
+LIVENESS_EVERY_S = 0.5
+STANDBY_WATCH_S = 120.0
+"""How long a capture is watched for its publication, to start the standby at once."""
+Recorder = Callable[..., Any]  # Trajectory.record
+
+
+class Checkpointer:
+    def __init__(self, policy: CheckpointPolicy, record: Recorder, *, directory: str | None = None,
+                 keep: int = 3, runtime: bool = True, allow_degraded: bool = False, standby: bool = False):
+        self.policy = policy
+        self.use_standby = standby
+        self.standby: Standby | None = None
+        self._standby_lock = threading.RLock()
+        """The newest checkpoint pre-restored and frozen (``standby=True`` and the policy agrees)."""
+        self.on_published: list[Callable[[Checkpoint], None]] = []
+        """Called (on a watcher thread) with each checkpoint as soon as it is published (the
+        env: its fork pool verifies what forks of it need, ``fork_ahead``)."""
+        self.record = record
+        self.runtime = runtime
+        self.allow_degraded = allow_degraded
+        self.keep = keep
+        self.hooks = PhaseHooks()
+        """Called at the mechanism's named phases (``RecoverableSandboxEnv.add_phase_hook``)."""
+        self._own_dir = directory is None
+        self.directory = directory or tempfile.mkdtemp(prefix="belayer-env-ckpt-")
+        self.store = CheckpointStore(self.directory, keep=None)
+        self.ready: list[Checkpoint] = []  # of the current branch, oldest first
+        self._pending: PendingCheckpoint | None = None
+        self._prestaging: list[PendingCheckpoint] = []  # collected; their pre-staging may still run
+        self._client: docker.DockerClient | None = None
+        self._pending_sandbox: DockerSandbox | None = None
+        self._pending_step = 0
+        self._pending_started = 0.0
+        self._waited_for = False  # the step after the capture has waited for its thaw
+
+    # ------------------------------------------------------------------ capture
+
+    def after_step(self, sandbox: DockerSandbox, step: int) -> bool:
+        """Start a background capture of boundary ``step`` if the policy wants one."""
+        self.poll(step)
+        if self._pending is not None or not self.policy.should_checkpoint(step):
+            return False
+        self._pending = start_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
+        self._client = sandbox.client
+        self._pending_step, self._pending_started = step, time.monotonic()
+        self._pending_sandbox = sandbox
+        self._waited_for = False
+        if self.use_standby or self.on_published:
+            threading.Thread(target=self._when_published, args=(self._pending,), daemon=True,
+                             name=f"belayer-publish-watch-{step}").start()
+        return True
+
+    def _when_published(self, pending: PendingCheckpoint) -> None:
+        """Start the standby (and ``on_published``) as soon as the capture is published, not
+        when the env next looks (the next step's start): a fault in that very step would
+        otherwise find the standby's restore just begun and wait for all of it."""
+        try:
+            ckpt = pending.wait(timeout=STANDBY_WATCH_S)
+        except Exception:  # noqa: BLE001 - failed or still running: the env's poll reports it
+            return
+        with self._standby_lock:
+            current = ckpt is not None and self._pending is pending  # not collected, cancelled or reset meanwhile
+            if current and self.use_standby and self._client is not None:
+                self._prepare_standby_now(ckpt)
+            newest = current or (ckpt is not None and bool(self.ready) and self.ready[-1].id == ckpt.id)
+        if newest:
+            for callback in list(self.on_published):
+                with contextlib.suppress(Exception):  # a preparation ahead is an optimisation
+                    callback(ckpt)
+
+    def before_step(self, step: int) -> None:
+        """Step ``step + 1`` is about to run: the sandbox must not be frozen any more.
+
+        The first step after a capture waits for the thaw as long as the policy says, else
+        abandons the capture; what it waited is reported as the capture's visible cost.
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        if not self._waited_for:
+            self._waited_for = True
+            t0 = time.monotonic()
+            if not pending.thawed.is_set() and not self._wait_thaw(pending, self.policy.late_wait_s(t0 - self._pending_started)):
+                self.abort_inflight(step)  # the sandbox died under the capture: nothing to wait for
+                self.policy.observe_wait(time.monotonic() - t0)
+                return
+            if not pending.thawed.is_set() and not pending.done():
+                pending.cancel()
+                pending.thawed.wait(CANCEL_THAW_S)  # abandoning thaws; a sandbox still frozen fails the step
+                self.policy.observe_wait(time.monotonic() - t0)
+                self._pending = None
+                elapsed = time.monotonic() - self._pending_started
+                timeout = getattr(getattr(self.policy, "config", None), "capture_timeout_s", None)
+                self.policy.observe_capture_failed(timed_out=timeout is not None and elapsed >= timeout)
+                self.record("checkpoint_abandoned", at_step=step)
+                return
+            self.policy.observe_wait(time.monotonic() - t0)
+        self.poll(step)
+
+    def _wait_thaw(self, pending: PendingCheckpoint, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the thaw; False as soon as the frozen sandbox is seen dead
+        (a container killed mid-dump never thaws: CRIU and its init wait for each other)."""
+        deadline = time.monotonic() + wait_s
+        while not pending.thawed.wait(min(LIVENESS_EVERY_S, max(0.0, deadline - time.monotonic()))):
+            if self._pending_sandbox is not None and _lost(self._pending_sandbox):
+                return False
+            if time.monotonic() >= deadline:
+                break
+        return True
+
+    def poll(self, step: int, wait_s: float = 0.0) -> None:
+        """Collect a finished capture (ready or failed); ``wait_s`` bounds the wait for it."""
+        pending = self._pending
+        if pending is None or (wait_s <= 0 and not pending.done()):
+            return
+        try:
+            ckpt = pending.wait(timeout=wait_s if wait_s > 0 else None)
+        except TimeoutError:
+            return  # still running: keep it
+        except CheckpointFailed as e:
+            self._pending = None
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_failed", at_step=step, error=e)
+            return
+        except InfraError as e:  # e.g. a fault injected at a phase: the same outcome
+            self._pending = None
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_failed", at_step=step, error=e)
+            return
+        if ckpt is None and not pending.done():
+            return  # still running: keep it
+        self._pending = None
+        if ckpt is None:
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_failed", at_step=step)
+            return
+        self.ready.append(ckpt)
+        self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()] + [pending]
+        self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
+        self.policy.observe_ready(ckpt.step)
+        self.record("checkpoint_ready", at_step=ckpt.step)
+        self._prune()
+        self._prepare_standby(ckpt)
+
+    def _prepare_standby(self, ckpt: Checkpoint) -> None:
+        """Pre-restore ``ckpt`` into the (one) standby when enabled and the policy wants it;
+        a standby of an older checkpoint is discarded either way (it would roll back further)."""
+        if not self.use_standby or self._client is None:
+            return
+        with self._standby_lock:
+            if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
+                return  # prepared as soon as it was published (``_when_published``)
+            self._prepare_standby_now(ckpt)
+
+    def _prepare_standby_now(self, ckpt: Checkpoint) -> None:
+        if self.standby is None:
+            self.standby = Standby(self._client, phase_hook=self.hooks)
+        if self.standby.ready() and self.standby.prepare_s is not None:
+            self.policy.observe_standby(self.standby.prepare_s)
+        if self.policy.wants_standby(ckpt.size_bytes, meminfo_available()):
+            self.standby.prepare(ckpt)
+            self.record("standby_preparing", at_step=ckpt.step)
+        else:
+            self.standby.discard(background=True)
+
+    def _prune(self) -> None:
+        while len(self.ready) > self.keep:
+            self._remove(self.ready.pop(0))
+
+    def _remove(self, ckpt: Checkpoint) -> None:
+        """Remove a checkpoint and its pre-staged copy on Docker's disk (one still being
+        made is stopped first), so nothing of it outlives the env."""
+        if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
+            self.standby.discard(background=True)
+        for p in self._prestaging:
+            if p.checkpoint is not None and p.checkpoint.id == ckpt.id:
+                p.stop_prestage(PRESTAGE_STOP_S)
+        self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()]
+        with contextlib.suppress(Exception):
+            self.store.remove(ckpt.id)
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                discard_copies(self._client, ckpt.id)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, committed: int, *, client: docker.DockerClient, wait_s: float, attempts: int,
+                spare: RestoreSpare | None = None,
+                parts: dict[str, float] | None = None) -> tuple[DockerSandbox, int] | None:
+        """Restore the newest ready checkpoint at or below ``committed`` into a fresh container.
+
+        A checkpoint whose restore fails twice (``RestoreFailed``: corrupt, or the runtime
+        refused it) is dropped and an older one tried; a restore killed by an infra fault
+        is retried (the checkpoint is fine, the attempt was not). ``None``: nothing
+        usable is left, the caller goes back to the initial state. ``spare``: a container
+        created ahead for it (``restore.spare.RestoreSpare``), used if the checkpoint fits it.
+        ``parts`` (optional) adds the seconds spent waiting for a capture (``wait_capture``)
+        and restoring (``restore``).
+        """
+        parts = {} if parts is None else parts
+        t = time.monotonic()
+        self.poll(committed, wait_s=wait_s)
+        if self._pending is not None:  # outlived the wait: not trustworthy in time
+            self._pending.cancel()
+            self._pending = None
+            self.record("checkpoint_abandoned", at_step=committed)
+        parts["wait_capture"] = parts.get("wait_capture", 0.0) + time.monotonic() - t
+        t = time.monotonic()
+        try:
+            return self._restore_newest(committed, client, attempts, spare)
+        finally:
+            parts["restore"] = parts.get("restore", 0.0) + time.monotonic() - t
+
+    def _restore_newest(self, committed: int, client: docker.DockerClient, attempts: int,
+                        spare: RestoreSpare | None) -> tuple[DockerSandbox, int] | None:
+        tries, failures = 0, {}
+        while self.ready and tries < attempts:
+            ckpt = self.ready[-1]
+            if ckpt.step > committed:
+                self._remove(self.ready.pop())
+                continue
+            tries += 1
+            if tries == 1 and (sandbox := promote_or_none(self.standby, ckpt, ckpt.sandbox)) is not None:
+                self.record("standby_promoted", at_step=committed, to_step=ckpt.step)
+                return sandbox, ckpt.step
+            try:
+                sandbox = full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
+                                       phase_hook=self.hooks, spare=spare)
+            except RestoreFailed as e:
+                self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
+                failures[ckpt.id] = failures.get(ckpt.id, 0) + 1
+                if not _transient(e) and failures[ckpt.id] >= 2:  # bad twice: fall back to an older one
+                    self._remove(self.ready.pop())
+                continue
+            except InfraError as e:
+                self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
+                continue
+            if sandbox.degraded:
+                self.record("degraded_restore", at_step=committed, to_step=ckpt.step)
+            return sandbox, ckpt.step
+        return None
+
+    def boundary_checkpoint(self, sandbox: DockerSandbox, step: int, timeout: float) -> Checkpoint:
+        """A ready checkpoint of boundary ``step`` (the sandbox's current one): the newest
+        ready one if it is that boundary's, else one taken now and kept as ready."""
+        self.settle(step, timeout)
+        if self.ready and self.ready[-1].step == step:
+            return self.ready[-1]
+        ckpt = full_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
+        self._client = sandbox.client
+        self.ready.append(ckpt)
+        self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
+        self.policy.observe_ready(ckpt.step)
+        self.record("checkpoint_ready", at_step=ckpt.step)
+        self._prune()
+        return ckpt
+
+    def settle(self, step: int, timeout: float) -> None:
+        """Wait (bounded) for the capture in flight to finish and collect it."""
+        self.poll(step, wait_s=timeout)
+
+    def discard_after(self, step: int) -> None:
+        """Checkpoints past ``step`` belong to an abandoned branch: never restore them."""
+        keep = [c for c in self.ready if c.step <= step]
+        for c in self.ready:
+            if c.step > step:
+                self._remove(c)
+        self.ready = keep
+
+    def before_fence(self, step: int) -> None:
+        """The sandbox is about to be fenced after a failure at step ``step + 1``.
+
+        A capture past its thaw holds boundary ``step``'s state already: it is left to
+        finish (``restore`` waits for it). One still frozen is dumping a sandbox that is
+        gone: it is aborted, CRIU included, before the fence starts.
+        """
+        self.poll(step)
+        if self._pending is not None and not self._pending.thawed.is_set():
+            self.abort_inflight(step)
+
+    def abort_inflight(self, step: int | None = None) -> None:
+        """Stop the capture in flight, CRIU included, and wait (bounded) for its thread.
+
+        Afterwards nothing pauses or dumps a container of this name any more; a CRIU dump
+        of a container that died under it would otherwise keep that container unremovable.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        with contextlib.suppress(Exception):
+            pending.abort()
+            pending.wait(timeout=CANCEL_THAW_S)
+        if step is not None:
+            self.policy.observe_capture_failed(timed_out=False)
+            self.record("checkpoint_abandoned", at_step=step)
+
+    def reset(self) -> None:
+        """New episode: abort the capture in flight and forget every checkpoint."""
+        self.abort_inflight()
+        if self.standby is not None:
+            self.standby.discard()
+        for c in self.ready:
+            self._remove(c)
+        self.ready = []
+
+    def close(self) -> None:
+        self.reset()
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _lost(sandbox: DockerSandbox) -> bool:
+    """Known dead (not merely unreachable: aborting a dump can damage a live sandbox)."""
+    try:
+        sandbox.check_alive("liveness during a capture")
+    except SandboxLost:
+        return True
+    except Exception:  # noqa: BLE001 - daemon trouble: not proof of death
+        return False
+    return False
+
+
+def _transient(error: RestoreFailed) -> bool:
+    """A restore that died of an infra fault (not of the checkpoint's content) may be retried."""
+    cause = error.__cause__
+    return isinstance(cause, InfraError) and not isinstance(cause, RestoreFailed)

@@ -1,0 +1,48 @@
+"""``RecoverableSandboxEnv.fork(n)``: n envs at an env's current boundary, each over a sandbox
+forked (``belayer_env.forks.fork``) from that boundary's checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, TypeVar
+
+from belayer_core.errors import UsageError
+from belayer_env.forks.fork import SETTLE_S, fork
+
+Env = TypeVar("Env", bound=Any)
+"""A ``RecoverableSandboxEnv`` (not imported: it imports this module)."""
+
+
+def fork_env(env: Env, n: int, make: type[Env]) -> list[Env]:
+    """``n`` envs at ``env``'s current boundary k, each with a sandbox forked from k.
+
+    Boundary k's checkpoint is the newest ready one if it is k's, else one taken now (and
+    kept by ``env``, which may restore it too). Each fork copies the trajectory, task,
+    setup and policy state; it starts with no checkpoints of its own (a failure before
+    its first one rolls it back to boundary 0, still prefix-consistent) and is closed by
+    its caller like any env.
+    """
+    if env.sandbox is None or env._done:
+        raise UsageError("fork() needs a running episode: call reset() first")
+    k = len(env.trajectory.steps)
+    ck = env.checkpointer.boundary_checkpoint(env.sandbox, k, SETTLE_S)
+    if env.fork_pool is not None:  # its containers first; it names every fork as the env does
+        try:
+            sandboxes = fork(ck, n, client=env.client, pool=env.fork_pool)
+        finally:
+            env.refill_fork_pool()
+    else:
+        names = [env._new_name() for _ in range(n)]
+        sandboxes = fork(ck, n, client=env.client, names=names, fresh_names=True)
+    children = []
+    for sandbox in sandboxes:
+        child = make(env.config, checkpoint_policy=copy.deepcopy(env.policy),
+                     reward=env.reward_fn, client=env.client)
+        child.sandbox, child.name = sandbox, sandbox.name
+        child._episode_config, child._setup = env._episode_config, list(env._setup)
+        child.trajectory = env.trajectory.model_copy(deep=True)
+        child.last_result = dict(env.last_result)
+        child._done, child._last_return = False, time.monotonic()
+        children.append(child)
+    return children

@@ -1,0 +1,1 @@
+"""Operations: readiness checks (``belayer doctor``) and reaping orphans (``belayer gc``)."""

@@ -1,0 +1,357 @@
+"""``DockerSandbox``: one real Docker container that runs one bash command per ``execute``.
+
+Semantics follow mini-swe-agent's DockerEnvironment (``bash -lc``, stdout and stderr
+merged, ``{"output", "returncode"}``), with three differences that matter for RL:
+a command timeout kills the command (not the container) and is *returned* as an agent
+outcome; output of any size is capped with an explicit marker without changing the
+command's exit code; and infrastructure failures (container gone, daemon unreachable, exec
+transport broken, runtime unable to run the command) *raise* ``InfraError`` subclasses and
+are never returned as output text. The container itself is created with a disk cap and a
+reduced capability set (``create_container``; docs/env.md, "Sandbox limits").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import uuid
+from typing import Any
+
+import docker
+
+from belayer_core.errors import ConfigError, InvalidAction, SandboxLost, UsageError
+from belayer_core.procfs import read_stat
+from belayer_env.host import loopback
+from belayer_env.sandbox.command import CHUNK_BYTES, EXEC_WRAPPER, MAX_COMMAND_BYTES, StreamReader
+from belayer_env.sandbox.config import SandboxConfig
+from belayer_env.sandbox.disk import limit_layer
+from belayer_env.sandbox.docker_api import connect, translate_errors
+from belayer_env.sandbox.output import OutputCollector
+from belayer_env.sandbox.ownership import owner_labels
+
+# PID 1 of every sandbox: a bash loop that reaps orphans (commands started in the background
+# are reparented to it) and exits on SIGTERM. Small, so CRIU dumps it in milliseconds.
+INIT_COMMAND = ["/bin/bash", "-c", "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"]
+KILL_GRACE_S = 2  # SIGTERM, then SIGKILL this much later, for a timed-out command
+OUTPUT_DIR = "/run/belayer"  # sandbox-private tmpfs: CRIU dumps and restores it with the container
+OUTPUT_TMPFS = {OUTPUT_DIR: "size=64m,mode=0700"}
+
+TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight
+TRANSPORT_GRACE_S = 15.0  # past timeout + grace with no end of stream: the transport is broken
+POLL_S = 0.2
+
+
+def create_container(client: docker.DockerClient, config: SandboxConfig, name: str,
+                     labels: dict[str, str] | None = None, network_disabled: bool | None = None) -> Any:
+    """Create (not start) a container for ``config``: the one recipe shared with restore.
+
+    Capabilities are cut to ``config.capabilities`` and, with ``config.disk``, the writable
+    layer is put on a file system of that size (``belayer_env.sandbox.disk``) before anything runs.
+    ``network_disabled``: without Docker's network stack (``belayer_env.host.loopback``); None:
+    whenever the sandbox has no network and this host has the loopback hook (a restore
+    passes what its checkpoint's container had).
+    """
+    all_labels = {**config.labels, **owner_labels(name), **(labels or {})}
+    if network_disabled is None:
+        network_disabled = not config.network and loopback.installed()
+    elif network_disabled and config.network:
+        raise UsageError("a sandbox with network=True cannot be created with Docker's network stack disabled")
+    elif network_disabled and not loopback.installed():
+        raise UsageError(f"this container must be created without Docker's network stack, but the CRIU "
+                         f"loopback hook is not installed here ({loopback.HOOK_PATH} listed in "
+                         f"{loopback.RUNC_CRIU_CONF}): run `bash scripts/setup.sh`")
+    with translate_errors(f"create sandbox {name}"):
+        try:
+            client.images.get(config.image)
+        except docker.errors.ImageNotFound as e:
+            raise UsageError(
+                f"image {config.image!r} not found; build the base image with `bash scripts/setup.sh`"
+            ) from e
+        try:
+            container = client.containers.create(
+                config.image,
+                command=INIT_COMMAND,
+                name=name,
+                working_dir=config.cwd if config.cwd != "/" else None,
+                environment=config.env,
+                labels=all_labels,
+                network_mode=None if config.network else "none",
+                network_disabled=network_disabled,
+                mounts=[docker.types.Mount("/etc/hosts", str(loopback.HOSTS_PATH), type="bind",
+                                           read_only=True)] if network_disabled else None,
+                mem_limit=config.memory,
+                memswap_limit=config.memory,
+                pids_limit=config.pids_limit,
+                nano_cpus=int(config.cpus * 1e9),
+                privileged=False,
+                security_opt=["no-new-privileges"],
+                cap_drop=["ALL"],
+                cap_add=list(config.capabilities),
+                tmpfs=OUTPUT_TMPFS,
+                tty=False,
+                stdin_open=False,
+                detach=True,
+            )
+        except docker.errors.APIError as e:
+            if e.status_code == 400:  # the daemon refused a setting (e.g. more CPUs than the host has)
+                raise ConfigError(f"Docker refused the sandbox config: {e.explanation or e}") from e
+            raise
+    if config.disk_bytes is not None:
+        try:
+            limit_layer(container.attrs, config.disk_bytes)  # docker-py inspected it after the create
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.api.remove_container(container.id, force=True, v=True)
+            raise
+    return container
+
+
+class DockerSandbox:
+    """A running sandbox container. ``DockerSandbox()`` uses the base image built by set-up."""
+
+    restored_from: str | None = None
+    """Checkpoint id this container was restored from (set by ``full_restore``)."""
+    degraded: bool = False
+    """True only after an explicitly allowed file-system-only restore."""
+    layer_installed_ns: int | None = None
+    """Wall clock (ns) once ``full_restore`` had the whole layer in place and no process of
+    the container had run yet: entries with an older ctime are still the checkpoint's (what
+    an incremental capture of the restored sandbox skips)."""
+    shared_lower: str | None = None
+    """The shared read-only copy of its checkpoint's layer a fork runs on (``fork``;
+    ``checkpoint.shared_layer``), None for a sandbox with a layer of its own."""
+
+    def __init__(self, config: SandboxConfig | None = None, *, name: str | None = None,
+                 client: docker.DockerClient | None = None, **overrides: Any):
+        if config is not None and not isinstance(config, SandboxConfig):
+            raise ConfigError(f"config must be a SandboxConfig, got {type(config).__name__}")
+        self.config = SandboxConfig.merged(config, overrides)  # ConfigError naming each bad field
+        self.client = client or connect(self.config.docker_host)
+        self.name = name or f"{self.config.name_prefix}-{uuid.uuid4().hex[:12]}"
+        container = create_container(self.client, self.config, self.name)
+        self.container_id: str = container.id
+        self._closed = False
+        try:
+            with translate_errors(f"start sandbox {self.name}"):
+                container.start()
+        except BaseException:
+            self._remove_quietly()
+            raise
+
+    @classmethod
+    def attach(cls, container_id: str, config: SandboxConfig, name: str,
+               client: docker.DockerClient | None = None) -> DockerSandbox:
+        """Wrap an already running container (e.g. one that ``full_restore`` started)."""
+        self = cls.__new__(cls)
+        self.config = config
+        self.client = client or connect(config.docker_host)
+        self.name = name
+        self.container_id = container_id
+        self._closed = False
+        return self
+
+    # ------------------------------------------------------------------ commands
+
+    def execute(self, action: str, cwd: str = "", timeout: float | None = None) -> dict[str, Any]:
+        """Run ``action`` with ``bash -lc``; return ``{"output", "returncode"}``.
+
+        A timeout is an agent outcome: the command's process group is killed, the output
+        ends with a marker, ``returncode`` is 124 (137 if it had to be SIGKILLed) and the
+        result carries ``"timed_out": True``. Infra failures raise ``InfraError``; a command
+        over ``MAX_COMMAND_BYTES`` (1 MiB) raises ``InvalidAction``.
+        """
+        if not isinstance(action, str):
+            raise InvalidAction(f"action must be a str (one bash command), got {type(action).__name__}")
+        if "\x00" in action:
+            raise InvalidAction("action contains a NUL byte, which bash cannot receive")
+        try:
+            script = action.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidAction(f"action is not valid text ({e.reason} at index {e.start})") from e
+        if len(script) > MAX_COMMAND_BYTES:
+            raise InvalidAction(f"command is {len(script)} bytes; the limit is {MAX_COMMAND_BYTES} bytes (1 MiB): "
+                                "write long content with several commands or copy it in as a file")
+        limit = self.config.timeout if timeout is None else float(timeout)
+        if not (limit > 0 and math.isfinite(limit)):
+            raise InvalidAction(f"timeout must be > 0 seconds and finite, got {timeout!r}")
+        if cwd and not cwd.startswith("/"):
+            raise InvalidAction(f"cwd must be an absolute path, got {cwd!r}")
+        self._require_open()
+        max_out = self.config.max_output_bytes
+        head, tail = max_out // 2, max_out - max_out // 2
+        # coreutils' timeout owns the command's process group, so a timeout kills all of it
+        argv = ["bash", "-c", EXEC_WRAPPER, "belayer-exec", f"{limit:g}", str(head), str(tail),
+                uuid.uuid4().hex[:16], str(KILL_GRACE_S), str(max(tail, CHUNK_BYTES)), cwd or self.config.cwd]
+        what = f"exec in sandbox {self.name}"
+        api = self.client.api
+        collector = OutputCollector(max_out)
+        hits_before = self._limit_hits()
+        with translate_errors(what):
+            # the wrapper starts in / and the command cds: a missing cwd is the command's failure
+            # (bash's message, exit 1), never the runtime's text
+            exec_id = api.exec_create(self.container_id, argv, stdout=True, stderr=True, stdin=True, tty=False,
+                                      workdir="/", environment=self.config.env)["Id"]
+            start = time.monotonic()
+            sock = api.exec_start(exec_id, socket=True)
+            reader = StreamReader(sock, collector)
+            reader.send_and_close(script)
+            exit_code = self._wait(api, exec_id, reader, start + limit + KILL_GRACE_S + TRANSPORT_GRACE_S)
+        elapsed = time.monotonic() - start
+        self.check_alive(what)
+        if exit_code is None:
+            raise SandboxLost(f"{what}: the exec transport broke (no exit code after {elapsed:.1f} s)")
+        meta = reader.apply_meta()
+        if meta is None:
+            if exit_code < 128:
+                # the wrapper finished but its report was lost (the stream was cut), or it never
+                # ran: what came back is a fragment or the runtime's text (e.g. "OCI runtime exec
+                # failed"), not the command's output, and must not reach the agent
+                raise SandboxLost(f"{what}: the command's report did not arrive (exec exit {exit_code}): "
+                                  f"{_first_line(collector.text())}")
+            returncode = exit_code  # the wrapper was killed (the command ran `kill -9 -1`): its outcome
+        else:
+            returncode, sent = meta
+            if reader.received < sent:
+                raise SandboxLost(f"{what}: the exec stream was cut ({reader.received} of {sent} output "
+                                  f"bytes arrived; the command exited {returncode})")
+        timed_out = returncode in (124, 137) and elapsed >= limit
+        output = collector.text()
+        if timed_out:
+            output += f"\n[belayer: command timed out after {limit:g} s and was killed]"
+        oom_after, pids_after = self._limit_hits()
+        if oom_after > hits_before[0]:
+            output += f"\n[belayer: a process was killed for exceeding the memory limit ({self.config.memory})]"
+        if pids_after > hits_before[1]:
+            output += f"\n[belayer: process creation failed at the sandbox's limit of {self.config.pids_limit} processes]"
+        result: dict[str, Any] = {"output": output, "returncode": returncode}
+        if timed_out:
+            result["timed_out"] = True
+        return result
+
+    def _wait(self, api: Any, exec_id: str, reader: StreamReader, deadline: float) -> int | None:
+        """Wait for the stream to end or the command to exit; bounded by ``deadline``."""
+        exited_at: float | None = None
+        while True:
+            if reader.done.wait(POLL_S):
+                break
+            now = time.monotonic()
+            if now > deadline:
+                break
+            info = api.exec_inspect(exec_id)
+            if not info.get("Running"):
+                # safety net: the wrapper exited but something still holds the exec's pipe (the
+                # wrapper keeps background jobs off it, so this needs a command that reopens it)
+                exited_at = exited_at or now
+                if now - exited_at >= TRAILING_OUTPUT_S:
+                    break
+        reader.close()
+        if reader.error is not None and not reader.done.is_set():
+            raise SandboxLost(f"exec stream failed: {reader.error}")
+        settle = time.monotonic() + 2.0  # the exit code can lag the end of the stream a little
+        while True:
+            info = api.exec_inspect(exec_id)
+            if not info.get("Running"):
+                return info.get("ExitCode")
+            if time.monotonic() > settle:
+                return None
+            time.sleep(0.02)
+
+    # ------------------------------------------------------------------ health
+
+    def check_alive(self, what: str) -> None:
+        """Raise ``SandboxLost`` unless the container and its init process are alive.
+
+        Docker updates a container's state a little after its init dies, so a command
+        killed with the container can end first; the init's /proc entry is the ground truth.
+        """
+        with translate_errors(what):
+            state = self.client.api.inspect_container(self.container_id)["State"]
+        if state.get("Running") and _process_alive(state.get("Pid", 0)):
+            return
+        if state.get("OOMKilled"):
+            reason = "was killed by the OOM killer"
+        elif state.get("Running"):
+            reason = "lost its init process"
+        else:
+            reason = f"exited ({state.get('Status')}, code {state.get('ExitCode')})"
+        raise SandboxLost(f"{what}: container {self.container_id[:12]} {reason}")
+
+    def is_alive(self) -> bool:
+        try:
+            self.check_alive("health check")
+        except Exception:
+            return False
+        return True
+
+    def _cgroup_counter(self, controller: str, filename: str, key: str) -> int:
+        """A counter from the container's cgroup (v1 or v2); 0 when unreadable."""
+        cid = self.container_id
+        for path in (f"/sys/fs/cgroup/{controller}/docker/{cid}/{filename}",
+                     f"/sys/fs/cgroup/system.slice/docker-{cid}.scope/{filename}",
+                     f"/sys/fs/cgroup/docker/{cid}/{filename}"):
+            try:
+                with open(path) as f:
+                    for line in f:
+                        k, _, v = line.partition(" ")
+                        if k == key:
+                            return int(v)
+            except (OSError, ValueError):
+                continue
+        return 0
+
+    def _limit_hits(self) -> tuple[int, int]:
+        """(OOM kills, fork refusals at the pids limit) so far, for reporting to the agent."""
+        oom = self._cgroup_counter("memory", "memory.oom_control", "oom_kill") or \
+            self._cgroup_counter("memory", "memory.events", "oom_kill")
+        return oom, self._cgroup_counter("pids", "pids.events", "max")
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"sandbox {self.name} is closed")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Remove the container (idempotent; a container already gone is fine)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._remove_quietly()
+
+    def _remove_quietly(self) -> None:
+        with contextlib.suppress(docker.errors.NotFound):
+            try:
+                self.client.api.remove_container(self.container_id, force=True, v=True)
+            except docker.errors.APIError as e:
+                if "removal of container" not in str(e) and "already in progress" not in str(e):
+                    raise
+
+    def __enter__(self) -> DockerSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DockerSandbox(name={self.name!r}, container_id={self.container_id[:12]!r}, image={self.config.image!r})"
+
+    # what mini-swe-agent-style code calls
+    def get_template_vars(self) -> dict[str, Any]:
+        return self.config.model_dump()
+
+
+def _process_alive(pid: int) -> bool:
+    """True unless ``pid`` (a host pid) is gone, exiting or a zombie; unknowable (remote daemon) = True."""
+    if not pid:
+        return False
+    if not os.path.isdir("/proc/1"):
+        return True
+    stat = read_stat(pid)
+    return stat is not None and stat.running
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0][:300] if lines else "(no output)"

@@ -1,0 +1,233 @@
+"""``CheckpointStore``: a 0700 directory of published checkpoints, by sandbox.
+
+Layout: ``<root>/<sandbox>/<id>/`` (manifest.json + artifacts), ``<root>/.staging/`` for
+checkpoints being written, ``<root>/.trash/`` for ones being removed, ``<root>/.locks/``,
+``<root>/.mirrors/`` (each sandbox's layer as of its last capture: what an incremental
+capture compares against; a cache, never needed to restore).
+A checkpoint appears under ``<sandbox>/`` only by one ``rename`` of a fully written and
+fsynced staging directory, so a crash at any point leaves either nothing or the whole
+thing. Staging entries carry their writer's (pid, start time); ``clean_incomplete`` removes
+those whose writer is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from belayer_core.errors import CheckpointFailed, CheckpointNotFound, ConfigError, UsageError
+from belayer_core.procfs import OwnerId
+from belayer_core.procfs import owner_alive as _label_owner_alive
+from belayer_env.sandbox.config import parse_size
+from belayer_env.store import scratch as scratch_space
+from belayer_env.store.manifest import Checkpoint, checkpoint_from_manifest, read_manifest
+
+STAGING, TRASH, LOCKS, MIRRORS = ".staging", ".trash", ".locks", ".mirrors"
+DEFAULT_SCRATCH = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+DEFAULT_MAX_LAYER_BYTES = 2**30
+
+
+def default_max_layer_bytes() -> int:
+    """``$BELAYER_MAX_LAYER_BYTES`` (a size: ``512m``, ``2g``), else 1 GiB."""
+    raw = os.environ.get("BELAYER_MAX_LAYER_BYTES")
+    if not raw:
+        return DEFAULT_MAX_LAYER_BYTES
+    try:
+        return parse_size(raw)
+    except ValueError as e:
+        raise ConfigError(f"BELAYER_MAX_LAYER_BYTES: {e}") from e
+
+
+def default_store_path() -> Path:
+    """``$BELAYER_CHECKPOINTS``, else ``$BELAYER_HOME/checkpoints``, else ~/.belayer/checkpoints."""
+    if os.environ.get("BELAYER_CHECKPOINTS"):
+        return Path(os.environ["BELAYER_CHECKPOINTS"])
+    home = os.environ.get("BELAYER_HOME") or os.path.join(os.path.expanduser("~"), ".belayer")
+    return Path(home) / "checkpoints"
+
+
+def owner_tag() -> str:
+    """This process's ``OwnerId`` label: names temporary dirs (``<name>~<tag>``) so orphans are known."""
+    return OwnerId.current().to_label()
+
+
+def owner_alive(name: str) -> bool:
+    """Whether the process named by the ``~<pid>-<ticks>`` suffix of ``name`` still runs."""
+    return _label_owner_alive(name.rpartition("~")[2])
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointStore:
+    """Published checkpoints under ``path``; ``keep`` newest per sandbox (None: keep all).
+
+    ``scratch`` is where the frozen part writes (tmpfs by default, so the freeze never
+    waits on a disk: ``/dev/shm/belayer-scratch``, a large-folio tmpfs of its own where it
+    can be, see ``checkpoint.scratch``); the artifacts are copied, hashed and fsynced into
+    ``path`` after thaw.
+    ``max_layer_bytes`` bounds what one capture may put there and on the store's disk: a
+    bigger writable layer fails the checkpoint (``CheckpointFailed`` naming the limit) before
+    the sandbox is frozen. ``create=False`` opens an existing store and creates nothing (a
+    missing one is a ``UsageError``): what read-only commands use.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, keep: int | None = 3,
+                 scratch: str | os.PathLike[str] | None = None, *, create: bool = True,
+                 max_layer_bytes: int | None = None):
+        if keep is not None and keep < 1:
+            raise UsageError(f"keep must be >= 1 or None, got {keep}")
+        self.path = Path(path) if path is not None else default_store_path()
+        self.keep = keep
+        self.max_layer_bytes = default_max_layer_bytes() if max_layer_bytes is None else max_layer_bytes
+        if self.max_layer_bytes < 1:
+            raise UsageError(f"max_layer_bytes must be >= 1, got {self.max_layer_bytes}")
+        base = Path(scratch) if scratch is not None else DEFAULT_SCRATCH
+        self.scratch_root = base / "belayer-scratch" if base is not None else self.path / ".scratch"
+        if not create:
+            if not self.path.is_dir():
+                what = "is not a directory" if self.path.exists() else "does not exist"
+                raise UsageError(f"no checkpoint store at {self.path} (it {what})")
+            return
+        for sub in ("", STAGING, TRASH, LOCKS):
+            (self.path / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        if base is not None and base == DEFAULT_SCRATCH:
+            scratch_space.prepare(self.scratch_root)  # its own large-folio tmpfs where it can
+        else:
+            self.scratch_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ writing
+
+    def new_staging(self, checkpoint_id: str) -> Path:
+        d = self.path / STAGING / f"{checkpoint_id}~{owner_tag()}"
+        d.mkdir(mode=0o700)
+        return d
+
+    def new_scratch(self, checkpoint_id: str) -> Path:
+        return scratch_space.new_dir(self.scratch_root, f"{checkpoint_id}~{owner_tag()}")
+
+    def publish(self, staging: Path, sandbox: str, checkpoint_id: str) -> Checkpoint:
+        """Atomically move a fully written, fsynced staging dir into place."""
+        parent = self.path / sandbox
+        parent.mkdir(mode=0o700, exist_ok=True)
+        final = parent / checkpoint_id
+        fsync_dir(staging)
+        os.rename(staging, final)
+        fsync_dir(parent)
+        fsync_dir(self.path / STAGING)
+        return checkpoint_from_manifest(final, read_manifest(final))
+
+    def mirror_dir(self, sandbox: str) -> Path:
+        """This process's mirror of ``sandbox``'s layer (see ``incremental``)."""
+        return self.path / MIRRORS / f"{sandbox}~{owner_tag()}"
+
+    def drop_mirror(self, sandbox: str) -> None:
+        """Forget the mirror of ``sandbox`` (its next capture copies the whole layer)."""
+        shutil.rmtree(self.mirror_dir(sandbox), ignore_errors=True)
+
+    @contextlib.contextmanager
+    def lock(self, sandbox: str) -> Iterator[None]:
+        """One checkpoint of a sandbox at a time (across processes; released on death)."""
+        with open(self.path / LOCKS / f"{sandbox}.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                raise CheckpointFailed(f"another checkpoint of sandbox {sandbox} is in progress") from e
+            yield
+
+    # ------------------------------------------------------------------ reading
+
+    def list(self, sandbox: str | None = None) -> list[Checkpoint]:
+        """Published checkpoints, oldest first (by sandbox, step, creation time)."""
+        out = []
+        if sandbox is not None and ("/" in sandbox or sandbox.startswith(".") or not sandbox):
+            raise UsageError(f"invalid sandbox name {sandbox!r}")
+        dirs = [self.path / sandbox] if sandbox else [d for d in self.path.iterdir() if not d.name.startswith(".")]
+        for sdir in dirs:
+            if not sdir.is_dir():
+                continue
+            for cdir in sdir.iterdir():
+                try:
+                    out.append(checkpoint_from_manifest(cdir, read_manifest(cdir)))
+                except (ValueError, KeyError, TypeError):
+                    continue  # not a checkpoint (never published that way); ignore
+        return sorted(out, key=lambda c: (c.sandbox, c.step, c.created))
+
+    def latest(self, sandbox: str) -> Checkpoint | None:
+        found = self.list(sandbox)
+        return found[-1] if found else None
+
+    def get(self, checkpoint_id: str) -> Checkpoint:
+        sandbox = checkpoint_id.rsplit(".", 2)[0]
+        cdir = self.path / sandbox / checkpoint_id
+        if "/" in checkpoint_id or checkpoint_id.startswith(".") or not cdir.is_dir():
+            raise CheckpointNotFound(f"no checkpoint {checkpoint_id!r} in {self.path}")
+        try:
+            return checkpoint_from_manifest(cdir, read_manifest(cdir))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointNotFound(f"checkpoint {checkpoint_id!r} has no valid manifest: {e}") from e
+
+    def next_step(self, sandbox: str) -> int:
+        """The number ``full_checkpoint`` gives a checkpoint taken without a step: one past
+        the newest of ``sandbox`` (1 for the first)."""
+        newest = self.latest(sandbox)
+        return 1 if newest is None else newest.step + 1
+
+    def total_bytes(self, sandbox: str | None = None) -> int:
+        return sum(c.size_bytes for c in self.list(sandbox))
+
+    # ------------------------------------------------------------------ removing
+
+    def remove(self, checkpoint_id: str) -> None:
+        """Remove one checkpoint: renamed out of sight first, so it is never half there."""
+        c = self.get(checkpoint_id)
+        (self.path / TRASH).mkdir(mode=0o700, exist_ok=True)
+        trash = self.path / TRASH / f"{c.id}~{uuid.uuid4().hex[:8]}"
+        os.rename(c.path, trash)
+        fsync_dir(c.path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def prune(self, sandbox: str, keep: int | None = None) -> list[str]:
+        """Keep the newest ``keep`` (default: the store's) checkpoints of ``sandbox``."""
+        keep = self.keep if keep is None else keep
+        if keep is None or keep < 0:
+            return []
+        old = self.list(sandbox)[:-keep] if keep > 0 else self.list(sandbox)  # keep=0: all go
+        for c in old:
+            self.remove(c.id)
+        return [c.id for c in old]
+
+    def clean_incomplete(self) -> list[str]:
+        """Remove staging/scratch left by dead writers and any trash; return what went."""
+        removed = []
+        for base in (self.path / STAGING, self.scratch_root, self.path / MIRRORS):
+            for d in _entries(base):
+                if not owner_alive(d.name):
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed.append(str(d))
+        for d in _entries(self.path / TRASH):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+        return removed
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({str(self.path)!r}, keep={self.keep})"
+
+
+def _entries(directory: Path) -> list[Path]:
+    """Entries of ``directory``; none when it does not exist (a store opened with create=False)."""
+    try:
+        return list(directory.iterdir())
+    except FileNotFoundError:
+        return []
