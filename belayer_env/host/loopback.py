@@ -168,7 +168,7 @@ def write_if_changed(path: Path, text: str, mode: int) -> None:
     """Atomic write (a restore running meanwhile reads the old or the new file, never half);
     a file that already says ``text`` with ``mode`` is left alone."""
     try:
-        if path.read_text() == text and (path.stat().st_mode & 0o7777) == mode:
+        if path.read_bytes() == text.encode() and (path.stat().st_mode & 0o7777) == mode:  # may be a binary now
             return
     except OSError:
         pass

@@ -11,7 +11,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-NATIVE = Path(__file__).resolve().parents[1] / "scripts" / "native"
+NATIVE = Path(__file__).resolve().parents[2] / "scripts" / "native"
 
 
 class BuildError(RuntimeError):

@@ -19,8 +19,8 @@ import pytest
 from belayer_env.env.recoverable import SUBMIT_MARKER, EnvConfig
 from belayer_env.ray import EpisodePool, RayEnvConfig, RayVectorEnv
 from belayer_env.sandbox.config import SandboxConfig
+from tests.belayer_env.env.test_env_recovery import BUMP, COUNTER
 from tests.belayer_env.ray.conftest import lose_node
-from tests.belayer_env.test_env_recovery import BUMP, COUNTER
 
 pytestmark = pytest.mark.timeout(600)
 

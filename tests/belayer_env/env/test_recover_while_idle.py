@@ -7,7 +7,7 @@ from __future__ import annotations
 from belayer_env.faults.inject import kill_container
 from belayer_env.sandbox.treehash import tree_hash
 from tests.belayer_env.conftest_env import assert_no_infra_text
-from tests.belayer_env.test_env_recovery import BUMP, COUNTER
+from tests.belayer_env.env.test_env_recovery import BUMP, COUNTER
 from tests.conftest import wait_until
 
 RESTORE_WAIT_S = 120

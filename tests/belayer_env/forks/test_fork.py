@@ -383,7 +383,7 @@ def test_gc_reaps_the_images_a_killed_forker_left_in_memory(make_sandbox, ck_sto
     src = make_sandbox()
     ck = full_checkpoint(src, ck_store, 1)
     p = subprocess.run([sys.executable, "-c", KILLED_AFTER_IMAGES, str(ck_store.path), ck.id], capture_output=True, text=True,
-                       timeout=120, cwd=Path(__file__).resolve().parents[2])
+                       timeout=120, cwd=Path(__file__).resolve().parents[3])
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     left = Path(p.stdout.strip())
     assert left.is_dir() and any(left.iterdir())

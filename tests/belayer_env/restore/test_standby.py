@@ -21,7 +21,7 @@ from belayer_env.sandbox import freezer
 from belayer_env.sandbox.fence import sandbox_containers
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.belayer_env.conftest_env import assert_no_infra_text
-from tests.belayer_env.test_env_recovery import BUMP, COUNTER
+from tests.belayer_env.env.test_env_recovery import BUMP, COUNTER
 from tests.conftest import wait_until
 
 GIB = 1 << 30

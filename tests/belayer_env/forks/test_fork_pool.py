@@ -163,7 +163,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 @pytest.mark.parametrize("make", ["ForkPool(sb, 2)", "RestoreSpare(sb)"])
 def test_gc_reaps_the_pool_of_a_dead_owner(docker_client, make):
     p = subprocess.run([sys.executable, "-c", KILLED_WITH_A_POOL.replace("{make}", make)], capture_output=True,
-                       text=True, timeout=180, cwd=Path(__file__).resolve().parents[2])
+                       text=True, timeout=180, cwd=Path(__file__).resolve().parents[3])
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     owner, *pooled = p.stdout.split()
     try:

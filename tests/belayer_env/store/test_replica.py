@@ -24,7 +24,7 @@ from belayer_env.store.replica import (
 )
 from belayer_env.store.store import CheckpointStore
 from tests.belayer_env.conftest_env import assert_no_infra_text
-from tests.belayer_env.test_env_recovery import BUMP, COUNTER
+from tests.belayer_env.env.test_env_recovery import BUMP, COUNTER
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from belayer_env.host import conntrack
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(conntrack.buckets() is None or os.geteuid() != 0,
                                 reason="needs root and a kernel with conntrack")
 

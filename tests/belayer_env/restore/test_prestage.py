@@ -20,11 +20,11 @@ from belayer_env.restore.prestaging import FILLING, docker_tmp, prestage, staged
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox.treehash import tree_hash
 from belayer_env.store.store import owner_tag
+from tests.belayer_env.capture.test_checkpoint import EXCLUDE, FS_CHANGES
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
-from tests.belayer_env.test_checkpoint import EXCLUDE, FS_CHANGES
 from tests.conftest import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 KILL_AT = """
 import os, signal, sys

@@ -22,7 +22,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # crash without close()
 
 def test_orphans_of_a_killed_process_are_reaped(sandbox, docker_client, capsys):
     p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     assert p.returncode == -signal.SIGKILL, p.stderr
     orphan_id = p.stdout.strip()
     by_id = {c.id: c for c in list_managed(docker_client)}
@@ -59,7 +59,7 @@ def test_gc_thaws_wedged_containers_and_reports_one_it_cannot_remove(docker_clie
     from belayer_env.sandbox import freezer
 
     p = subprocess.run([sys.executable, "-c", WEDGED], capture_output=True, text=True, timeout=180,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     frozen, paused, stuck = p.stdout.split()
     control = freezer.control_file(frozen)
     control.write_text("FROZEN" if control.name == "freezer.state" else "1")

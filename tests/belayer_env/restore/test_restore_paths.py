@@ -33,8 +33,8 @@ from belayer_env.sandbox.ownership import SANDBOX_NAME
 from belayer_env.sandbox.treehash import tree_hash
 from belayer_env.store import in_memory
 from belayer_env.store.store import owner_tag
+from tests.belayer_env.capture.test_checkpoint import EXCLUDE
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
-from tests.belayer_env.test_checkpoint import EXCLUDE
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
