@@ -67,7 +67,8 @@ class RecoverableEngine(LoopEngine):
         # the router reports failures into it and shows the supervisor's view.
         table = RoutingTable()
         self.supervisor = Supervisor(self.supervisor_config, table, self._worker_secret)
-        self.router = Router(self.router_config, table=table, status=self.supervisor.status)
+        self.router = Router(self.router_config, table=table, status=self.supervisor.status,
+                             control=self.supervisor)
         url = await self.router.start()
         self.base_url = url + "/v1"
         await self.supervisor.start()

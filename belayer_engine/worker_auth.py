@@ -38,4 +38,15 @@ def authorized(authorization: str | None, secret: str | None) -> bool:
     """True when no secret is set, or the header carries it (constant-time compare)."""
     if not secret:
         return True
-    return hmac.compare_digest((authorization or "").encode(), f"Bearer {secret}".encode())
+    return bearer_matches(authorization, secret)
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """``authorization`` is exactly ``Bearer <key>``, compared in constant time.
+
+    aiohttp hands undecodable header bytes (``Bearer \\xff\\xfe``) over as surrogate
+    escapes, which a plain ``.encode()`` refuses with a UnicodeEncodeError (a 500 with a
+    traceback): they are encoded back to the bytes that were sent, which never match.
+    """
+    given = (authorization or "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode())

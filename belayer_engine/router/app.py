@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 
 import aiohttp
@@ -20,6 +19,8 @@ from belayer_engine.routing import Endpoint, RoutingTable
 from .. import worker_auth
 from .codec import Codec, load_codec
 from .config import RouterConfig
+from .native_admin import NativeAdmin
+from .native_api import NativeHandlers
 from .openai_api import OpenAIHandlers, error_response
 from .recovery import Continuation
 
@@ -47,16 +48,18 @@ class Router:
     """OpenAI-compatible front door; call ``start()`` inside a running event loop."""
 
     def __init__(self, config: RouterConfig | None = None, *, table: RoutingTable | None = None,
-                 codec: Codec | None = None, status=None) -> None:
+                 codec: Codec | None = None, status=None, control=None) -> None:
         self.config = config or RouterConfig()
         self.table = table or RoutingTable()  # shared with a supervisor, or fed by add_static_workers
         self.codec = codec
         self.status = status  # optional callable -> dict (the supervisor's view)
+        self.control = control  # the supervisor: SGLang's weight-update routes go through it
         self.base_url: str | None = None
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._probe: asyncio.Task | None = None
         self._static: dict[str, str] = {}
+        self.native: NativeHandlers | None = None  # its running generations (tests read them)
 
     def add_static_workers(self, urls: list[str]) -> None:
         """Serve fixed worker URLs without a supervisor (the router probes their health)."""
@@ -70,11 +73,19 @@ class Router:
             self.codec = load_codec(cfg.tokenizer)
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                               headers=worker_auth.headers(cfg.worker_api_key))
-        handlers = OpenAIHandlers(Continuation(self.table, self._session, cfg), self.codec, cfg.model_name, cfg.default_max_tokens)
+        continuation = Continuation(self.table, self._session, cfg)
+        handlers = OpenAIHandlers(continuation, self.codec, cfg.model_name, cfg.default_max_tokens)
+        native = self.native = NativeHandlers(continuation, self.codec)
+        admin = NativeAdmin(self.table, self._session, continuation, cfg.model_name, cfg.tokenizer, self.control)
         app = web.Application(middlewares=[_json_errors, self._auth])
         app.router.add_post("/v1/chat/completions", handlers.chat)
         app.router.add_post("/v1/completions", handlers.completions)
         app.router.add_get("/v1/models", handlers.models)
+        # SGLang's native API (docs/router.md, "SGLang's native API")
+        app.router.add_post("/generate", native.generate)
+        app.router.add_put("/generate", native.generate)
+        app.router.add_post("/abort_request", native.abort_request)
+        app.add_routes(admin.routes())
         app.router.add_get("/health", self._health)
         app.router.add_get("/belayer/workers", self._workers)
         return app
@@ -113,8 +124,7 @@ class Router:
         key = self.config.api_key
         if not key:
             return True
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+        return worker_auth.bearer_matches(request.headers.get("Authorization"), key)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):

@@ -18,6 +18,8 @@ class Codec(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def decode_output(self, ids: list[int], skip_special_tokens: bool) -> str: ...
+
     def render_chat(self, messages: list[dict]) -> list[int]: ...
 
 
@@ -38,6 +40,10 @@ class TokenizerCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
+
+    def decode_output(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """Output text as SGLang's ``/generate`` gives it (specials dropped unless asked)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         ids: list[int] = []
