@@ -2,9 +2,10 @@
 (and ``InteractiveAgent``, the ``mini`` CLI's agent, in yolo mode) with its scripted
 ``DeterministicModel``, a real container and a real SIGKILL mid-run.
 
-Skipped where mini-swe-agent is not installed (it pulls litellm); e.g.
-``python3 -m venv --system-site-packages /tmp/msa-venv && /tmp/msa-venv/bin/pip install
-mini-swe-agent`` and run this file with ``/tmp/msa-venv/bin/python -m pytest``.
+mini-swe-agent (it pulls litellm) lives in its own venv, installed by
+``scripts/setup_minisweagent.sh`` (part of ``scripts/setup.sh``); ``extra_deps`` puts it on
+this interpreter's path after the project's packages. Where it is missing every test here
+fails with that hint: these tests never skip.
 """
 
 from __future__ import annotations
@@ -13,38 +14,46 @@ import threading
 
 import pytest
 
-pytest.importorskip("minisweagent")
+from tests.wrappers.extra_deps import add_minisweagent_venv
 
-from minisweagent.agents.default import DefaultAgent  # noqa: E402
-from minisweagent.agents.interactive import InteractiveAgent  # noqa: E402
-from minisweagent.exceptions import InterruptAgentFlow  # noqa: E402
-from minisweagent.models.test_models import DeterministicModel, make_output  # noqa: E402
+MISSING = add_minisweagent_venv()  # None when mini-swe-agent imports
 
-from belayer.wrappers.minisweagent import RolledBack  # noqa: E402
-from belayer_env.faults.inject import kill_container  # noqa: E402
-from tests.belayer_env.conftest_env import assert_no_infra_text  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+if MISSING is None:  # else every test fails (the fixture below), naming the set-up command
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.agents.interactive import InteractiveAgent
+    from minisweagent.exceptions import InterruptAgentFlow
+    from minisweagent.models.test_models import DeterministicModel, make_output
+
+    from belayer.wrappers.minisweagent import RolledBack
+    from belayer_env.faults import kill_container
+    from tests.belayer_env.conftest_env import assert_no_infra_text
+    from tests.conftest import wait_until
+
+    class HookedModel(DeterministicModel):
+        """mini-swe-agent's scripted model, plus a record of every prompt and per-call hooks
+        (a hook runs while the "LLM" generates, as a slow model would)."""
+
+        def __init__(self, hooks: dict | None = None, **kwargs):
+            super().__init__(**kwargs)
+            self.hooks, self.prompts = hooks or {}, []
+
+        def query(self, messages, **kwargs):
+            self.prompts.append(list(messages))
+            if hook := self.hooks.get(len(self.prompts) - 1):
+                hook()
+            return super().query(messages, **kwargs)
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /log"
 
 
-class HookedModel(DeterministicModel):
-    """mini-swe-agent's scripted model, plus a record of every prompt and per-call hooks
-    (a hook runs while the "LLM" generates, as a slow model would)."""
-
-    def __init__(self, hooks: dict | None = None, **kwargs):
-        super().__init__(**kwargs)
-        self.hooks, self.prompts = hooks or {}, []
-
-    def query(self, messages, **kwargs):
-        self.prompts.append(list(messages))
-        if hook := self.hooks.get(len(self.prompts) - 1):
-            hook()
-        return super().query(messages, **kwargs)
-
+def require_minisweagent() -> None:
+    """First line of every test: a missing mini-swe-agent is a failure, never a skip."""
+    if MISSING is not None:
+        pytest.fail(MISSING, pytrace=False)
 
 
 def test_rolled_back_is_an_interrupt_agent_flow():
+    require_minisweagent()
     assert issubclass(RolledBack, InterruptAgentFlow)
     assert RolledBack(3, "SandboxLost").messages == ()
 
@@ -76,6 +85,7 @@ def test_agent_regenerates_after_a_real_sigkill(msw_env, docker_client, monkeypa
     InteractiveAgent appends the observations of the actions that ran ("echo four", on the
     discarded branch) in a ``finally`` of ``execute_actions``, after the adapter's cut: the
     retry prompt must still be the lost call's prompt, without that stale observation."""
+    require_minisweagent()
     env = msw_env(checkpoint_policy="always", timeout=60)
     outputs = [
         make_output("first", [{"command": "echo one >> /log"}], cost=0.0),
