@@ -239,5 +239,8 @@ else
   bash "$ROOT/scripts/setup_sglang.sh"
 fi
 
+bash "$ROOT/scripts/setup_skyrl.sh"         # test deps: skyrl-gym, then mini-swe-agent in its own venv
+bash "$ROOT/scripts/setup_minisweagent.sh"
+
 step "Ready"
 command -v belayer >/dev/null && belayer doctor || true

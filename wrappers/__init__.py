@@ -3,6 +3,7 @@
 - ``FaultInjection``: real faults into a RecoverableSandboxEnv (Gymnasium wrapper).
 - ``ChatHistory``: owns the chat message list and cuts it back on rollback.
 - ``RecoverableDockerEnvironment``: drop-in for mini-swe-agent's DockerEnvironment.
+- ``RecoverableSkyRLEnv``: SkyRL's env interface (skyrl-gym ``Env``) over the env (``skyrl``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _LAZY = {
     "RecoverableDockerEnvironment": ".minisweagent",
     "RecoverableDockerEnvironmentConfig": ".minisweagent",
     "RolledBack": ".minisweagent",
+    "RecoverableSkyRLEnv": ".skyrl",
 }
 
 __all__ = list(_LAZY)
