@@ -32,27 +32,3 @@ def save_result(result: dict, json_path: str | Path, plot: Callable[[dict, Path]
         plot(result, path.with_suffix(".png"))
     return path
 
-
-def plot_pairs(result: dict, path: Path, variants: tuple[str, str], label: str, metrics: tuple[str, ...],
-               ticks: list[str], title: Callable[[str, dict], str]) -> None:
-    """An A/B's bars: per scenario, per metric (seconds in ``result["scenarios"][scen][variant]``)
-    one bar per variant at its p50 with a whisker to its p90; ``label`` names the knob."""
-    plt = pyplot()
-    if plt is None:
-        return
-    scenarios = list(result["scenarios"])
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4.2), squeeze=False)
-    for ax, scen in zip(axes[0], scenarios, strict=True):
-        data = result["scenarios"][scen]
-        w = 0.38
-        for j, variant in enumerate(variants):
-            p50 = [data[variant][m]["p50"] * 1e3 for m in metrics]
-            p90 = [data[variant][m]["p90"] * 1e3 for m in metrics]
-            ax.bar([k + j * w for k in range(len(metrics))], p50, width=w, label=f"{label}: {variant}",
-                   yerr=[[0] * len(p50), [max(b - a, 0) for a, b in zip(p50, p90, strict=True)]], capsize=2)
-        ax.set_xticks([k + w / 2 for k in range(len(metrics))], ticks)
-        ax.set_title(title(scen, data))
-        ax.set_ylabel("ms (bar p50, whisker p90)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

@@ -18,7 +18,7 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   to the verified CRIU images.
 - ``belayer (pre-staged, copied)``: the same, with ``images="copied"``: the images
   themselves go through Docker's start (tar -> containerd's content store -> untar), the
-  path before ``linked`` (docs/checkpoint.md).
+  path before ``linked`` (docs/restore.md).
 - ``belayer (pre-staged, sandbox lost)``: the same, but the sandbox is killed first, untimed
   (the failure a rollback answers, as for ``standby``), then timed as an env rolls back: its
   fence (the dead container killed and renamed aside), then the restore (the dead one's
@@ -549,19 +549,23 @@ def main() -> int:
     ap.add_argument("--fork-only", action="store_true", help="only a capture and the three forks (shared, copied, pooled)")
     ap.add_argument("--restore-only", action="store_true",
                     help="only a capture and the three pre-staged restores (sandbox live, lost, lost into a spare)")
-    ap.add_argument("--out", default=None, help="default: results/checkpoint_bench.json "
-                    "(results/checkpoint_bench_capture.json with --capture-only)")
+    ap.add_argument("--out", default=None, help="default: results/checkpoint_bench.json, the one current result "
+                    "(a partial run, --capture-only, --fork-only or --restore-only: /tmp/checkpoint_bench_<part>.json)")
     args = ap.parse_args()
     if args.out is None:
-        name = ("checkpoint_bench_capture.json" if args.capture_only else
-                "checkpoint_bench_fork.json" if args.fork_only else
-                "checkpoint_bench_restore.json" if args.restore_only else "checkpoint_bench.json")
-        args.out = str(Path(__file__).parent / "results" / name)
+        part = "capture" if args.capture_only else "fork" if args.fork_only else "restore" if args.restore_only else None
+        args.out = (f"/tmp/checkpoint_bench_{part}.json" if part else
+                    str(Path(__file__).parent / "results" / "checkpoint_bench.json"))
     client = connect()
     run_id = uuid.uuid4().hex[:8]
     store_dir = Path(tempfile.mkdtemp(prefix="belayer-bench-", dir="/var/tmp"))
     store = CheckpointStore(store_dir, keep=2)
-    result = {"host": {"kernel": platform.release(), "cpus": os.cpu_count(),
+    commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or None
+    result = {"source": {"command": " ".join(["python3", "benchmarks/checkpoint_bench.py", *sys.argv[1:]]),
+                         "commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                         "machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.platform()}"},
+              "host": {"kernel": platform.release(), "cpus": os.cpu_count(),
                        "loadavg_start": os.getloadavg(), "docker": client.version()["Version"],
                        "criu": subprocess.run(["criu", "--version"], capture_output=True, text=True).stdout.split()[1],
                        "store": str(store_dir), "run_id": run_id, "owner": owner_tag(), "loadavg": []},
