@@ -25,6 +25,7 @@ from belayer_env.restore.prestaging import discard_copies
 from belayer_env.restore.restore import full_restore
 from belayer_env.restore.spare import RestoreSpare
 from belayer_env.restore.standby import Standby, meminfo_available, promote_or_none
+from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.store.manifest import Checkpoint
 from belayer_env.store.store import CheckpointStore
@@ -65,6 +66,9 @@ class Checkpointer:
         self._pending_step = 0
         self._pending_started = 0.0
         self._waited_for = False  # the step after the capture has waited for its thaw
+        self.sandbox_config: SandboxConfig | None = None
+        """The settings of the sandbox this env created (in memory, never read from a manifest):
+        what its restores may ask for at most (``restore/trust.py``)."""
 
     # ------------------------------------------------------------------ capture
 
@@ -74,7 +78,7 @@ class Checkpointer:
         if self._pending is not None or not self.policy.should_checkpoint(step):
             return False
         self._pending = start_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
-        self._client = sandbox.client
+        self._client, self.sandbox_config = sandbox.client, sandbox.config
         self._pending_step, self._pending_started = step, time.monotonic()
         self._pending_sandbox = sandbox
         self._waited_for = False
@@ -191,6 +195,7 @@ class Checkpointer:
         if self.standby.ready() and self.standby.prepare_s is not None:
             self.policy.observe_standby(self.standby.prepare_s)
         if self.policy.wants_standby(ckpt.size_bytes, meminfo_available()):
+            self.standby.config = self.sandbox_config
             self.standby.prepare(ckpt)
             self.record("standby_preparing", at_step=ckpt.step)
         else:
@@ -258,7 +263,7 @@ class Checkpointer:
                 return sandbox, ckpt.step
             try:
                 sandbox = full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
-                                       phase_hook=self.hooks, spare=spare)
+                                       phase_hook=self.hooks, spare=spare, config=self.sandbox_config)
             except RestoreFailed as e:
                 self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
                 failures[ckpt.id] = failures.get(ckpt.id, 0) + 1
@@ -280,7 +285,7 @@ class Checkpointer:
         if self.ready and self.ready[-1].step == step:
             return self.ready[-1]
         ckpt = full_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
-        self._client = sandbox.client
+        self._client, self.sandbox_config = sandbox.client, sandbox.config
         self.ready.append(ckpt)
         self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
         self.policy.observe_ready(ckpt.step)

@@ -29,12 +29,12 @@ def fork_env(env: Env, n: int, make: type[Env]) -> list[Env]:
     ck = env.checkpointer.boundary_checkpoint(env.sandbox, k, SETTLE_S)
     if env.fork_pool is not None:  # its containers first; it names every fork as the env does
         try:
-            sandboxes = fork(ck, n, client=env.client, pool=env.fork_pool)
+            sandboxes = fork(ck, n, client=env.client, pool=env.fork_pool, config=env.sandbox.config)
         finally:
             env.refill_fork_pool()
     else:
         names = [env._new_name() for _ in range(n)]
-        sandboxes = fork(ck, n, client=env.client, names=names, fresh_names=True)
+        sandboxes = fork(ck, n, client=env.client, names=names, fresh_names=True, config=env.sandbox.config)
     children = []
     for sandbox in sandboxes:
         child = make(env.config, checkpoint_policy=copy.deepcopy(env.policy),

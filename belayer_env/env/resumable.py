@@ -19,6 +19,7 @@ from belayer_core.errors import CheckpointNotFound, InfraError, NodeLost
 from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
 from belayer_env.env.trajectory import InfraEvent, StepRecord, Trajectory
 from belayer_env.restore.restore import full_restore
+from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.store.replica import ReplicaLocation, ReplicatedCheckpointStore
 
 
@@ -26,9 +27,10 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
     """``RecoverableSandboxEnv`` + replicated checkpoints + ``resume`` (see the module doc)."""
 
     def __init__(self, config: EnvConfig | None = None, *, replica_url: str,
-                 replica_options: dict[str, Any] | None = None, **kwargs: Any):
+                 replica_options: dict[str, Any] | None = None, replica_key_file: str | None = None,
+                 **kwargs: Any):
         super().__init__(config, **kwargs)
-        self.replica = ReplicaLocation(replica_url, **(replica_options or {}))
+        self.replica = ReplicaLocation(replica_url, key_file=replica_key_file, **(replica_options or {}))
         local = self.checkpointer.store
         self.checkpointer.store = ReplicatedCheckpointStore(
             local.path, self.replica, keep=None,
@@ -61,7 +63,7 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
         steps = self.trajectory.steps[:step]
         if len(steps) != step:
             raise InfraError(f"boundary {step} is not committed (only {len(steps)} steps)")
-        return {"task": self.trajectory.task, "setup": list(self._setup),
+        return {"task": self.trajectory.task, "setup": list(self._setup), "image": self._episode_config.image,
                 "steps": [s.model_dump(mode="json") for s in steps]}
 
     def resume_point(self) -> dict[str, Any] | None:
@@ -126,9 +128,13 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
                         raise CheckpointNotFound(f"replica {rep.id} holds no episode record")
                     ck = self.replica.fetch(rep.id, self.checkpointer.store)
                     self.name = ck.sandbox
-                    self._episode_config = ck.config
+                    # this env's settings bound the restore; the task's image comes from the
+                    # episode record, which the replica's signed marker covers
+                    allowed = SandboxConfig.merged(self.config.sandbox,
+                                                   {"image": episode["image"]} if episode.get("image") else {})
                     sandbox = full_restore(ck, allow_degraded=self.config.allow_degraded, client=self.client,
-                                           phase_hook=self.checkpointer.hooks)
+                                           phase_hook=self.checkpointer.hooks, config=allowed)
+                    self._episode_config = ck.config
                 except CheckpointNotFound as e:  # corrupt or gone: an older one
                     self._record("restore_failed", at_step=at_step, error=e, to_step=rep.step)
                     break

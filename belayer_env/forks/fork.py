@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import docker
@@ -37,6 +39,8 @@ from belayer_env.restore import prestaging
 from belayer_env.restore.cleanup import clean_later, cleanup_deferred
 from belayer_env.restore.restore import full_restore
 from belayer_env.restore.spare import RestoreSpare, Slot
+from belayer_env.restore.trust import check_bounded
+from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import connect
 from belayer_env.sandbox.fence import fence
@@ -44,6 +48,8 @@ from belayer_env.store import layer, shared_layer, shared_sweep
 from belayer_env.store.manifest import Checkpoint, read_manifest_digest
 
 MAX_FORKS = 64
+Restore = Callable[..., DockerSandbox]
+"""``full_restore`` with the restoring side's config bound."""
 SETTLE_S = 60.0
 
 
@@ -53,7 +59,8 @@ def fork_name(checkpoint: Checkpoint, index: int) -> str:
 
 def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
          names: list[str] | None = None, parallel: int = 8, share: bool = True,
-         fresh_names: bool = False, pool: ForkPool | None = None) -> list[DockerSandbox]:
+         fresh_names: bool = False, pool: ForkPool | None = None,
+         config: SandboxConfig | None = None) -> list[DockerSandbox]:
     """Restore ``checkpoint`` ``n`` times into new sandboxes; all or none.
 
     ``share``: the forks share the checkpoint's layer copy-on-write (module docstring);
@@ -64,6 +71,8 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
     ``pool``: forks start in its containers where it has them and the checkpoint was taken
     of a container made like them (``fork_pool``; not with ``names``, nor unshared), named
     as the pool named them; the rest are created here, named by the pool too.
+    ``config``: the restoring side's settings (``full_restore(config=)``; default: the
+    secure defaults): what the forks may ask for at most, checked before anything is made.
     Raises ``RestoreFailed`` (the first failure) after fencing every fork already made; the
     sandbox the checkpoint was taken from is never touched.
     """
@@ -75,22 +84,28 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         raise UsageError("a restore spare serves its sandbox's own restore (full_restore(spare=)), not forks")
     if pool is not None and (names is not None or not share):
         raise UsageError("a fork pool names its forks and serves shared forks: no names=, no share=False")
-    client = client or connect(checkpoint.config.docker_host)
+    client = client or connect((config or SandboxConfig()).docker_host)  # never the manifest's daemon
+    try:
+        data = read_manifest_digest(Path(checkpoint.path))[0]
+    except ValueError as e:
+        raise RestoreFailed(f"checkpoint {checkpoint.id} is incomplete: {e}", checkpoint=checkpoint.id) from e
+    check_bounded(client, checkpoint, data, config)  # once for all forks, before any is made
+    restore = functools.partial(full_restore, config=config)
     generated = names is None or fresh_names  # no container holds them: nothing to fence first
     if pool is not None:
         names = [pool.new_name() for _ in range(n)]
     names = names or [fork_name(checkpoint, i) for i in range(n)]
     if not share:
-        return _restore_all(checkpoint, client, names, parallel, None, fence_first=not generated)
+        return _restore_all(restore, checkpoint, client, names, parallel, None, fence_first=not generated)
     root = prestaging.docker_root(client)
     with cleanup_deferred():
         # copies no container uses any more (best effort): removed once the forks started,
         # not before (an API call per copy and alias: tens of ms of a fork's CPU)
         clean_later(shared_sweep.sweep, client, root)
-        return _fork_shared(checkpoint, client, names, n, parallel, generated, pool, root)
+        return _fork_shared(restore, checkpoint, client, names, n, parallel, generated, pool, root)
 
 
-def _fork_shared(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], n: int, parallel: int,
+def _fork_shared(restore: Restore, checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], n: int, parallel: int,
                  generated: bool, pool: ForkPool | None, root: str) -> list[DockerSandbox]:
     try:
         data, digest = read_manifest_digest(Path(checkpoint.path))
@@ -113,13 +128,13 @@ def _fork_shared(checkpoint: Checkpoint, client: docker.DockerClient, names: lis
                 if slots:  # the pool's containers, then new ones for the rest
                     names = [s.target for s in slots] + names[len(slots):]
                 try:
-                    return _restore_all(checkpoint, client, names, parallel, shared, images_job, not generated,
+                    return _restore_all(restore, checkpoint, client, names, parallel, shared, images_job, not generated,
                                         slots)
                 except RestoreFailed as e:
                     if not isinstance(e.__cause__, shared_layer.Unshareable):
                         raise
             # hardlinked files (learnt while unpacking): every fork was fenced; a copy each
-            return _restore_all(checkpoint, client, names, parallel, None, images_job, not generated)
+            return _restore_all(restore, checkpoint, client, names, parallel, None, images_job, not generated)
     except layer.LayerError as e:
         raise RestoreFailed(f"checkpoint {checkpoint.id}: file-system layer unusable: {e}",
                             checkpoint=checkpoint.id) from e
@@ -133,14 +148,14 @@ def _fork_shared(checkpoint: Checkpoint, client: docker.DockerClient, names: lis
             discard_images(images_job.result())
 
 
-def _restore_all(checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,
+def _restore_all(restore: Restore, checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], parallel: int,
                  shared: shared_layer.SharedLower | None,
                  images: concurrent.futures.Future[Path] | None = None,
                  fence_first: bool = True, slots: list[Slot] | None = None) -> list[DockerSandbox]:
     slots = slots or []
     with cleanup_deferred(), concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names))),
                                                thread_name_prefix="belayer-fork") as pool:
-        futures = [pool.submit(full_restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
+        futures = [pool.submit(restore, checkpoint, client=client, name=name, use_staged=False, shared=shared,
                                verified_images=images, fence_first=fence_first,
                                precreated=slots[i] if i < len(slots) else None)
                    for i, name in enumerate(names)]

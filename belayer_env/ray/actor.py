@@ -20,6 +20,7 @@ class SandboxEnvActor:
     def __init__(self, config: RayEnvConfig):
         self.env = ResumableSandboxEnv(config.env, replica_url=config.replica_url,
                                        replica_options=config.replica_options,
+                                       replica_key_file=config.replica_key_file,
                                        checkpoint_policy=config.checkpoint_policy)
 
     def where(self) -> dict[str, Any]:

@@ -26,6 +26,9 @@ class RayEnvConfig(BaseModel):
     """fsspec URL every node can reach (file:///shared/dir, s3://bucket/prefix, gs://...)."""
     replica_options: dict[str, Any] = Field(default_factory=dict)
     """fsspec storage options for ``replica_url`` (credentials, endpoint)."""
+    replica_key_file: str | None = None
+    """The cluster's replica key, the same file on every node (``store/replica_auth.py``: 32+
+    random bytes, mode 0600); None: ``$BELAYER_REPLICA_KEY_FILE``. Replicas are authenticated."""
     env: EnvConfig = Field(default_factory=EnvConfig)
     checkpoint_policy: str = "adaptive"
     """``adaptive``, ``always`` or ``never`` (``never``: a lost node restarts the task)."""

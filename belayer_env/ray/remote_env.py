@@ -100,7 +100,8 @@ class RemoteSandboxEnv(gym.Env[str, str]):
         from belayer_env.store.replica import ReplicaLocation
 
         with contextlib.suppress(Exception):  # best effort: a later close or gc gets another chance
-            ReplicaLocation(self.config.replica_url, **self.config.replica_options).remove_sandbox(
+            ReplicaLocation(self.config.replica_url, key_file=self.config.replica_key_file,
+                            **self.config.replica_options).remove_sandbox(
                 self.resume_point["sandbox"])
 
     # ------------------------------------------------------------------ failover

@@ -61,7 +61,9 @@ from belayer_env.restore.staged import (
     unpack_layer,
     unpoint,
 )
+from belayer_env.restore.trust import check_bounded
 from belayer_env.sandbox import disk, fence, writeback
+from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox, create_container
 from belayer_env.sandbox.docker_api import connect, translate_errors
 from belayer_env.sandbox.fence import remove, remove_quietly
@@ -84,7 +86,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                  shared: shared_layer.SharedLower | None = None,
                  verified_images: Path | concurrent.futures.Future[Path] | None = None,
                  fence_first: bool = True, precreated: Slot | None = None,
-                 spare: RestoreSpare | None = None) -> DockerSandbox:
+                 spare: RestoreSpare | None = None, config: SandboxConfig | None = None) -> DockerSandbox:
     """Restore ``checkpoint`` into a fresh container; raise ``RestoreFailed`` naming it.
 
     ``name``: restore as this sandbox (fenced instead of the checkpoint's own name; what
@@ -102,6 +104,12 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     checkpoint's image and settings, used instead of a create (with ``shared`` only).
     ``spare``: its container is used instead of a create when this checkpoint was taken of
     a container made like it (``restore.spare.RestoreSpare``; an unshared restore).
+    ``config``: the restoring side's settings (the env's; default: ``SandboxConfig()``, the
+    secure defaults): the checkpoint's recorded image, network, capabilities, limits and
+    daemon may be narrower, never wider (``trust``: refused before anything is fenced).
+
+    Everything checkable is checked before the live sandbox of that name is fenced: the
+    manifest, the settings, every artifact's bytes, and that Docker creates the container.
     """
     via = images or DEFAULT_IMAGES
     if via not in get_args(Images):
@@ -124,7 +132,8 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         raise RestoreFailed(f"checkpoint {ck.id} was taken of a sandbox without Docker's network stack and "
                             f"this host lacks the CRIU loopback hook that restores need ({loopback.HOOK_PATH} "
                             f"listed in {loopback.RUNC_CRIU_CONF}): run `bash scripts/setup.sh`", checkpoint=ck.id)
-    client = client or connect(ck.config.docker_host)
+    client = client or connect((config or SandboxConfig()).docker_host)  # never the manifest's daemon
+    check_bounded(client, ck, data, config)
     tmp = prestaging.docker_tmp(client)
     prestaging.clean_dead_staging(tmp)
     staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged and shared is None else None
@@ -159,7 +168,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
         # listing, which runs alongside the create, leaves out only that name); it takes the
         # sandbox's name, and starts, only once every one of them is dead
         new_name = f"{target}-restoring-{uuid.uuid4().hex[:8]}"
-        killing = Background(_fence_all_but if fence_first else _nothing, client, target, new_name)
+        killing: Background | None = None
         # the linked images directory is made while Docker creates the container (~30 links
         # + a nonce): beside the images where they are in memory (``Staged.links``), else on
         # Docker's disk, then put into place with one rename
@@ -173,6 +182,9 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                 _fit_spare(client, cid, info, ck, layer_image)
             else:
                 cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
+            # Docker made it: only now does the live sandbox of this name die (a container
+            # Docker refuses to create leaves it running); it dies while the layer goes in
+            killing = Background(_fence_all_but if fence_first else _nothing, client, target, new_name)
             hook(Phase.CREATED)
             if fs is not None:
                 layer_fs = layer.upper_dir(info)
@@ -201,7 +213,7 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
                 hook(Phase.RUNTIME_VERIFIED)
         finally:
             try:
-                fenced = killing.result()
+                fenced = killing.result() if killing is not None else []
             finally:
                 if linking is not None:  # made (or not), never put in place: a failure
                     with contextlib.suppress(Exception):

@@ -29,6 +29,7 @@ from belayer_env.background import Background
 from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox import fence
+from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.store.manifest import Checkpoint
@@ -56,8 +57,11 @@ def meminfo_available() -> int | None:
 class Standby:
     """At most one frozen, pre-restored copy of a checkpoint, ready to replace its sandbox."""
 
-    def __init__(self, client: docker.DockerClient, phase_hook: PhaseHook | None = None):
+    def __init__(self, client: docker.DockerClient, phase_hook: PhaseHook | None = None,
+                 config: SandboxConfig | None = None):
         self.client = client
+        self.config = config
+        """The restoring side's settings (``full_restore(config=)``): what a standby may ask for."""
         self.hook = phase_hook or no_hook
         self._lock = threading.Lock()
         self._checkpoint: Checkpoint | None = None
@@ -97,7 +101,7 @@ class Standby:
             self._remove(*old)
             if cancel.is_set():
                 raise SandboxLost(f"standby {name} was discarded before it was prepared")
-            sandbox = full_restore(ck, client=self.client, name=name)
+            sandbox = full_restore(ck, client=self.client, name=name, config=self.config)
             with translate_errors(f"freeze standby {name}"):
                 self.client.api.pause(sandbox.container_id)
             self.hook(Phase.STANDBY_FROZEN)

@@ -2,7 +2,9 @@
 
 The manifest (``manifest.json``) is written last, inside the staging directory, and lists
 every artifact with its size and sha256. A directory without a valid manifest is never a
-checkpoint; a file whose size or hash disagrees with it makes the checkpoint unusable.
+checkpoint; a file whose size or hash disagrees with it makes the checkpoint unusable. Its
+names are checked on every read (``names``): an entry is the layer or ``runtime/<plain
+name>``, its id and sandbox are plain names, so no manifest can point outside its directory.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from belayer_env.sandbox.config import SandboxConfig
+from belayer_env.store.names import check_files, check_plain, sandbox_of
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -71,6 +74,12 @@ def read_manifest_digest(directory: Path) -> tuple[dict[str, Any], str]:
         raise ValueError(f"no valid {MANIFEST} in {directory}: {e}") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or "files" not in data:
         raise ValueError(f"{directory / MANIFEST} is not a belayer checkpoint manifest (format {FORMAT})")
+    try:
+        check_files(data["files"])
+        if sandbox_of(data.get("id")) != check_plain("sandbox name", data.get("sandbox")):
+            raise ValueError(f"checkpoint id {data.get('id')!r} does not belong to sandbox {data.get('sandbox')!r}")
+    except ValueError as e:
+        raise ValueError(f"{directory / MANIFEST} refused: {e}") from e
     return data, hashlib.sha256(raw).hexdigest()
 
 

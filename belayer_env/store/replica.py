@@ -17,6 +17,11 @@ temporary name and moved into place: one atomic object/rename. Readers list mark
 so an upload cut short is invisible (``clean_incomplete`` reaps it). ``fetch`` downloads a
 committed replica into a node's local store, checking every byte against the manifest, and
 publishes it there: ``full_restore`` then restores it as any local checkpoint.
+
+Trust: whoever can write the location can write a replica, so every marker carries an HMAC
+under the cluster's key (``replica_auth``): a marker without one, or with a wrong one, is
+refused, never fetched. Names in markers and manifests are checked (``names``): a fetch
+writes only the layer and ``runtime/<plain name>`` under its own staging directory.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from belayer_env.store.manifest import (
     copy_hashed,
     read_manifest_digest,
 )
+from belayer_env.store.names import check_entry, check_plain, sandbox_of
+from belayer_env.store.replica_auth import MAC_FIELD, ReplicaKey
 from belayer_env.store.store import CheckpointStore, fsync_dir
 
 MARKER_SUFFIX = ".ready.json"
@@ -62,15 +69,19 @@ class Replica:
 
 
 class ReplicaLocation:
-    """Committed checkpoint replicas under one fsspec URL (``storage_options`` go to fsspec)."""
+    """Committed checkpoint replicas under one fsspec URL (``storage_options`` go to fsspec).
 
-    def __init__(self, url: str, **storage_options: Any):
+    ``key_file``: the cluster's replica key (``replica_auth``; default
+    ``$BELAYER_REPLICA_KEY_FILE``): markers are signed with it and checked against it."""
+
+    def __init__(self, url: str, *, key_file: str | os.PathLike[str] | None = None, **storage_options: Any):
         try:
             from fsspec.core import url_to_fs
         except ImportError as e:  # the `ray` extra installs it
             raise UsageError("replicated checkpoints need fsspec: pip install 'belayer[ray]'") from e
         if "://" not in url:
             raise UsageError(f"replica location must be a URL (file:///dir, s3://bucket/prefix), got {url!r}")
+        self.key = ReplicaKey.load(key_file)
         self.url = url.rstrip("/")
         self.fs, root = url_to_fs(self.url, **storage_options)
         self.root = root.rstrip("/")
@@ -119,7 +130,9 @@ class ReplicaLocation:
     def _commit(self, marker: Replica) -> None:
         final = self._marker_path(marker.sandbox, marker.id)
         tmp = f"{self.root}/{marker.sandbox}/.tmp-{marker.id}-{uuid.uuid4().hex[:8]}"
-        self._put(tmp, json.dumps({"format": FORMAT, **marker.__dict__}, sort_keys=True).encode())
+        fields = {"format": FORMAT, **marker.__dict__}
+        fields[MAC_FIELD] = self.key.sign(fields)
+        self._put(tmp, json.dumps(fields, sort_keys=True).encode())
         self.fs.mv(tmp, final)  # local: rename(2); object stores: one server-side copy
         if self.local:
             fsync_dir(Path(_parent(final)))
@@ -157,7 +170,7 @@ class ReplicaLocation:
         except FileNotFoundError as e:
             raise CheckpointNotFound(f"no committed replica {checkpoint_id!r} at {self.url}") from e
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointNotFound(f"replica marker of {checkpoint_id!r} is unreadable: {e}") from e
+            raise CheckpointNotFound(f"replica {checkpoint_id!r} refused: {e}") from e
 
     def episode(self, checkpoint_id: str) -> dict[str, Any] | None:
         """The episode record stored with a replica (None if it has none), checked against its marker."""
@@ -181,10 +194,15 @@ class ReplicaLocation:
             if hashlib.sha256(raw).hexdigest() != rep.manifest_sha256:
                 raise CheckpointNotFound(f"replica {rep.id}: manifest does not match its commit marker")
             (staging / MANIFEST).write_bytes(raw)
-            data, _ = read_manifest_digest(staging)
+            try:
+                data, _ = read_manifest_digest(staging)  # every name checked (``names``)
+            except ValueError as e:
+                raise CheckpointNotFound(f"replica {rep.id} refused: {e}") from e
+            if (data["id"], data["sandbox"]) != (rep.id, rep.sandbox):
+                raise CheckpointNotFound(f"replica {rep.id} refused: its manifest is of {data['id']!r}")
             for rel, meta in sorted(data["files"].items()):
-                (staging / rel).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                with self.fs.open(f"{base}/{rel}", "rb") as src, open(staging / rel, "wb") as dst:
+                dest = _new_file(staging, check_entry(rel))
+                with self.fs.open(f"{base}/{rel}", "rb") as src, open(dest, "wb") as dst:
                     size, digest = copy_hashed(src, dst)
                     dst.flush()
                     os.fsync(dst.fileno())
@@ -255,10 +273,19 @@ class ReplicaLocation:
         return f"{self.root}/{sandbox}/{checkpoint_id}{MARKER_SUFFIX}"
 
     def _read_marker(self, path: str) -> Replica:
+        """A marker this cluster signed, naming plain names; ``ValueError`` otherwise."""
         data = json.loads(self.fs.cat_file(path))
-        if data.pop("format", None) != FORMAT:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a belayer replica marker (format {FORMAT})")
-        return Replica(**data)
+        mac = data.pop(MAC_FIELD, None)
+        if not self.key.verify(data, mac):
+            raise ValueError(f"{path} is not signed with this cluster's replica key "
+                             f"({'no signature' if mac is None else 'wrong signature'}): refused")
+        data.pop("format")
+        rep = Replica(**data)
+        if sandbox_of(rep.id) != check_plain("sandbox name", rep.sandbox):
+            raise ValueError(f"{path}: checkpoint {rep.id!r} is not of sandbox {rep.sandbox!r}")
+        return rep
 
     def __repr__(self) -> str:
         return f"ReplicaLocation({self.url!r})"
@@ -277,9 +304,10 @@ class ReplicatedCheckpointStore(CheckpointStore):
 
     def __init__(self, path: str | os.PathLike[str] | None, replica: ReplicaLocation | str, *,
                  keep: int | None = 3, scratch: str | os.PathLike[str] | None = None,
-                 episode: Callable[[int], dict[str, Any]] | None = None, **store_options: Any):
+                 episode: Callable[[int], dict[str, Any]] | None = None,
+                 key_file: str | os.PathLike[str] | None = None, **store_options: Any):
         super().__init__(path, keep=keep, scratch=scratch, **store_options)
-        self.replica = replica if isinstance(replica, ReplicaLocation) else ReplicaLocation(replica)
+        self.replica = replica if isinstance(replica, ReplicaLocation) else ReplicaLocation(replica, key_file=key_file)
         self.episode = episode
         self.uploads: list[tuple[str, int, float]] = []
         """(checkpoint id, bytes, seconds) of every upload, for measurements."""
@@ -315,16 +343,28 @@ def _parent(path: str) -> str:
 
 
 def _sandbox_of(checkpoint_id: str) -> str:
-    sandbox = checkpoint_id.rsplit(".", 2)[0]
-    _check_name(sandbox)
-    if "/" in checkpoint_id or checkpoint_id.startswith("."):
-        raise CheckpointNotFound(f"not a checkpoint id: {checkpoint_id!r}")
-    return sandbox
+    try:
+        return sandbox_of(checkpoint_id)
+    except ValueError as e:
+        raise CheckpointNotFound(f"not a checkpoint id: {e}") from e
 
 
 def _check_name(name: str) -> None:
-    if not name or "/" in name or name.startswith("."):
-        raise UsageError(f"not a sandbox name: {name!r}")
+    try:
+        check_plain("sandbox name", name)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def _new_file(staging: Path, rel: str) -> Path:
+    """``staging/rel`` created empty, never through a link (``rel``: a checked entry name)."""
+    head, _, name = rel.rpartition("/")
+    directory = staging / head if head else staging
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if directory.is_symlink():
+        raise CheckpointNotFound(f"{directory} is a symlink")
+    os.close(os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    return directory / name
 
 
 def _mtime(fs: Any, path: str) -> float:

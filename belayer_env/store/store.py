@@ -26,6 +26,8 @@ from belayer_core.procfs import owner_alive as _label_owner_alive
 from belayer_env.sandbox.config import parse_size
 from belayer_env.store import scratch as scratch_space
 from belayer_env.store.manifest import Checkpoint, checkpoint_from_manifest, read_manifest
+from belayer_env.store.names import is_plain, sandbox_of
+from belayer_env.store.private_dir import ensure_private_dir, ensure_shared_base
 
 STAGING, TRASH, LOCKS, MIRRORS = ".staging", ".trash", ".locks", ".mirrors"
 DEFAULT_SCRATCH = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
@@ -80,6 +82,11 @@ class CheckpointStore:
     bigger writable layer fails the checkpoint (``CheckpointFailed`` naming the limit) before
     the sandbox is frozen. ``create=False`` opens an existing store and creates nothing (a
     missing one is a ``UsageError``): what read-only commands use.
+
+    The store and its scratch root must be this user's and writable by no one else
+    (``private_dir``: ``ConfigError`` otherwise): whoever writes a store decides what a
+    restore starts. Checkpoint and sandbox directories that are symlinks, or whose manifest
+    names another checkpoint, are not checkpoints.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, keep: int | None = 3,
@@ -98,14 +105,16 @@ class CheckpointStore:
             if not self.path.is_dir():
                 what = "is not a directory" if self.path.exists() else "does not exist"
                 raise UsageError(f"no checkpoint store at {self.path} (it {what})")
+            ensure_private_dir(self.path, "checkpoint store", create=False)
             return
-        for sub in ("", STAGING, TRASH, LOCKS):
-            (self.path / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path, 0o700)
+        ensure_private_dir(self.path, "checkpoint store")
+        for sub in (STAGING, TRASH, LOCKS):
+            ensure_private_dir(self.path / sub, "checkpoint store directory")
+        if base is not None:
+            ensure_shared_base(base, "scratch directory")
         if base is not None and base == DEFAULT_SCRATCH:
             scratch_space.prepare(self.scratch_root)  # its own large-folio tmpfs where it can
-        else:
-            self.scratch_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_private_dir(self.scratch_root, "scratch directory")
 
     # ------------------------------------------------------------------ writing
 
@@ -119,8 +128,15 @@ class CheckpointStore:
 
     def publish(self, staging: Path, sandbox: str, checkpoint_id: str) -> Checkpoint:
         """Atomically move a fully written, fsynced staging dir into place."""
+        try:
+            if sandbox_of(checkpoint_id) != sandbox:
+                raise ValueError(f"checkpoint id {checkpoint_id!r} is not of sandbox {sandbox!r}")
+        except ValueError as e:
+            raise UsageError(f"cannot publish: {e}") from e
         parent = self.path / sandbox
         parent.mkdir(mode=0o700, exist_ok=True)
+        if parent.is_symlink():
+            raise CheckpointFailed(f"{parent} is a symlink, not a sandbox directory of the store: not publishing")
         final = parent / checkpoint_id
         fsync_dir(staging)
         os.rename(staging, final)
@@ -151,15 +167,15 @@ class CheckpointStore:
     def list(self, sandbox: str | None = None) -> list[Checkpoint]:
         """Published checkpoints, oldest first (by sandbox, step, creation time)."""
         out = []
-        if sandbox is not None and ("/" in sandbox or sandbox.startswith(".") or not sandbox):
+        if sandbox is not None and not is_plain(sandbox):
             raise UsageError(f"invalid sandbox name {sandbox!r}")
         dirs = [self.path / sandbox] if sandbox else [d for d in self.path.iterdir() if not d.name.startswith(".")]
         for sdir in dirs:
-            if not sdir.is_dir():
-                continue
+            if sdir.is_symlink() or not sdir.is_dir():
+                continue  # a symlink was never made by the store: it would list another's checkpoints
             for cdir in sdir.iterdir():
                 try:
-                    out.append(checkpoint_from_manifest(cdir, read_manifest(cdir)))
+                    out.append(self._load(cdir))
                 except (ValueError, KeyError, TypeError):
                     continue  # not a checkpoint (never published that way); ignore
         return sorted(out, key=lambda c: (c.sandbox, c.step, c.created))
@@ -169,14 +185,28 @@ class CheckpointStore:
         return found[-1] if found else None
 
     def get(self, checkpoint_id: str) -> Checkpoint:
-        sandbox = checkpoint_id.rsplit(".", 2)[0]
+        try:
+            sandbox = sandbox_of(checkpoint_id)
+        except ValueError as e:
+            raise CheckpointNotFound(f"no checkpoint {checkpoint_id!r} in {self.path}: {e}") from e
         cdir = self.path / sandbox / checkpoint_id
-        if "/" in checkpoint_id or checkpoint_id.startswith(".") or not cdir.is_dir():
+        if not cdir.is_dir():
             raise CheckpointNotFound(f"no checkpoint {checkpoint_id!r} in {self.path}")
         try:
-            return checkpoint_from_manifest(cdir, read_manifest(cdir))
+            return self._load(cdir)
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointNotFound(f"checkpoint {checkpoint_id!r} has no valid manifest: {e}") from e
+            raise CheckpointNotFound(f"checkpoint {checkpoint_id!r} refused: {e}") from e
+
+    @staticmethod
+    def _load(cdir: Path) -> Checkpoint:
+        """The checkpoint published at ``cdir``: a real directory (never a symlink to another
+        checkpoint) whose manifest names exactly this id and sandbox."""
+        if cdir.is_symlink() or cdir.parent.is_symlink():
+            raise ValueError(f"{cdir} is a symlink, not a published checkpoint")
+        ck = checkpoint_from_manifest(cdir, read_manifest(cdir))
+        if ck.id != cdir.name or ck.sandbox != cdir.parent.name:
+            raise ValueError(f"{cdir} holds the manifest of checkpoint {ck.id!r} of {ck.sandbox!r}")
+        return ck
 
     def next_step(self, sandbox: str) -> int:
         """The number ``full_checkpoint`` gives a checkpoint taken without a step: one past
