@@ -241,7 +241,7 @@ def test_a_layer_with_hardlinks_is_forked_with_a_copy_each(make_sandbox, ck_stor
     assert src.execute("mkdir -p /w && echo 1 > /w/a && ln /w/a /w/b")["returncode"] == 0
     ck = full_checkpoint(src, ck_store, 1)
     at_ck = tree_hash(src)
-    forks = fork(ck, 2, client=docker_client)
+    forks = fork(ck, 2, client=docker_client, config=src.config)  # uncapped: wider than the defaults
     try:
         assert [f.shared_lower for f in forks] == [None, None]
         assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
@@ -258,14 +258,15 @@ def test_uncapped_forks_share_too(make_sandbox, ck_store, docker_client):
     assert src.execute(ORIGIN_SETUP)["returncode"] == 0
     ck = full_checkpoint(src, ck_store, 1)
     at_ck = tree_hash(src)
-    forks = fork(ck, 2, client=docker_client)
+    forks = fork(ck, 2, client=docker_client, config=src.config)
     try:
         assert forks[0].shared_lower is not None
         assert [tree_hash(f) for f in forks] == [at_ck, at_ck]
         assert forks[0].execute(FORK_WRITES)["returncode"] == 0
         assert tree_hash(forks[1]) == at_ck
         mid = tree_hash(forks[0])
-        back = full_restore(full_checkpoint(forks[0], ck_store, 2), client=docker_client, name=f"{forks[0].name}-r")
+        back = full_restore(full_checkpoint(forks[0], ck_store, 2), client=docker_client, name=f"{forks[0].name}-r",
+                            config=src.config)
         forks.append(back)
         assert tree_hash(back) == mid
     finally:
