@@ -1,9 +1,10 @@
 """Belayer: fault tolerance for LLM agentic RL training.
 
 Two halves usable apart: :mod:`belayer_env` (recoverable Docker sandboxes) and
-:mod:`belayer_engine` (recoverable inference engine). This package holds only what both
-share — the failure taxonomy (``errors``), the ``/proc`` reader and owner-liveness rule
-(``procfs``), config-derived flags (``config_flags``) — and the ``belayer`` command line.
+:mod:`belayer_engine` (recoverable inference engine), over the base both share,
+:mod:`belayer_core` (the failure taxonomy, the ``/proc`` reader, config-derived flags).
+This package sits above all three: the ``belayer`` command line, and ``belayer.errors``,
+the taxonomy under its first name.
 Installed, it also ships the checkout's top-level ``wrappers/`` and ``examples/`` folders
 as :mod:`belayer.wrappers` and :mod:`belayer.examples` (never as generic top-level names).
 """
