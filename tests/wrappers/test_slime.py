@@ -223,3 +223,26 @@ def test_the_serving_worker_sigkilled_mid_turn_is_continued_by_the_engine(engine
     assert_same_sample(s, golden)
     assert s.weight_versions == golden.weight_versions
     poll(lambda: engine.worker_pid(0) not in (None, killed["pid"]), 120, "the shadow to serve slot 0")
+
+
+def test_the_sample_is_aborted_only_when_recovery_is_exhausted(engine, golden):
+    """No checkpoints, one recovery attempt allowed, and that restore (boundary 0's fresh
+    sandbox) armed to fail (the project's injector: ``restore_fail`` at turn 1, then a real
+    SIGKILL of the container in turn 2): the env gives up with an ``InfraError``; the sample
+    is ABORTED with ``remove_sample`` (slime zeroes its loss mask: not trained on), labelled,
+    and holds the consistent prefix up to boundary 1, never an infra error as an observation.
+    Every turn's container killed instead: the episode's rollback budget runs out the same way."""
+    s = run(slime_args(engine), checkpoint_policy="never", env={**EPISODE["env"], "recovery_attempts": 1},
+            faults={"at_steps": {1: "restore_fail", 2: "kill"}, "max_delay_s": 0.0, "seed": 1})  # seed 1: at "created"
+    assert s.status == SlimeSample.Status.ABORTED and s.remove_sample and s.reward == 0.0
+    assert s.metadata["belayer"]["failed"] in ("RestoreFailed", "SandboxLost", "InjectedFault"), s.metadata
+    first = model_spans(golden)[1][0]  # boundary 1: turn 1 and its observation
+    assert s.tokens == golden.tokens[: len(golden.tokens) - golden.response_length + first]
+    assert s.loss_mask == golden.loss_mask[:first] and s.response_length == first
+    assert "SandboxLost" not in s.response and "Restore" not in s.response
+
+    s = run(slime_args(engine), max_rollbacks=2, faults={"probability": 1.0, "kinds": ["kill"], "max_delay_s": 0.0})
+    assert s.status == SlimeSample.Status.ABORTED and s.remove_sample and s.reward == 0.0
+    assert s.metadata["belayer"]["failed"] == "more than 2 rollbacks"
+    assert len(s.metadata["belayer"]["rollbacks"]) == 3 and s.response_length == 0
+    assert s.tokens == golden.tokens[: len(golden.tokens) - golden.response_length]

@@ -54,6 +54,8 @@ class EpisodeConfig(BaseModel):
     """Committed env steps before the episode is truncated (``sample.metadata`` may lower it)."""
     max_tokens_per_turn: int | None = Field(None, ge=1)
     """Cap of one turn's ``max_new_tokens`` (None: what is left of slime's response budget)."""
+    max_rollbacks: int = Field(16, ge=0)
+    """Env rollbacks one episode may take; past it the episode is given up as unrecoverable."""
     checkpoint_policy: str = "adaptive"
     env: dict[str, Any] = Field(default_factory=dict)
     """``EnvConfig`` fields (``sandbox`` image and limits, ``recovery_attempts``, ...)."""
@@ -120,23 +122,29 @@ async def run_episode(args: Any, sample: Any, sampling_params: dict[str, Any], c
             if rollback is not None:  # the sandbox is at boundary j: so is the sample
                 j = rollback["to_step"]
                 label["rollbacks"].append({"to_step": j, "reason": rollback["reason"], "tokens_cut": out.cut(j)})
+                if len(label["rollbacks"]) > config.max_rollbacks:
+                    raise _Unrecoverable(f"more than {config.max_rollbacks} rollbacks")
                 continue
             if terminated or truncated:
                 end, reward = (status.COMPLETED if terminated else status.TRUNCATED), float(step_reward)
                 break
             out.observation(codec, obs)
             out.commit(step_info["belayer"]["step"])
-    except InfraError as e:  # the env's recovery is exhausted: no sample, never a reward of 0
+    except (InfraError, _Unrecoverable) as e:  # recovery is exhausted: no sample, never a reward of 0
         out.cut(out.boundary)
         end, reward = status.ABORTED, 0.0
         sample.remove_sample = True
-        label["failed"] = type(e).__name__
+        label["failed"] = str(e) if isinstance(e, _Unrecoverable) else type(e).__name__
     finally:
         await asyncio.to_thread(env.close)
     trajectory = env.unwrapped.trajectory
     label.update(turns=len(trajectory.steps), recovered=trajectory.recovered)
     _write(sample, prompt_ids, out, end, reward, {**meta, "belayer": label})
     return sample
+
+
+class _Unrecoverable(Exception):
+    """The episode's rollback budget is spent (``EpisodeConfig.max_rollbacks``)."""
 
 
 class _Response:
