@@ -50,9 +50,15 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages --without-pip "$VENV"
 CONSTRAINTS=$VENV/project-constraints.txt
 printf '%s\n' "$CONSTRAINTS_TEXT" >"$CONSTRAINTS"
-info "pip install mini-swe-agent==$VERSION, the project's packages held (log: $LOG_DIR/minisweagent.log; ~2 min the first time)"
-run_logged "$LOG_DIR/minisweagent.log" "$VENV/bin/python" -m pip install --disable-pip-version-check \
-  --progress-bar off -c "$CONSTRAINTS" "mini-swe-agent==$VERSION"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -c "$CONSTRAINTS")
+# What this resolved to against the project's packages (2026-12-03), tried first: left to
+# itself pip downloads some 200 releases of litellm and datasets before it finds them (~10 min).
+HINTS=("litellm==1.83.0" "datasets==2.14.4" "huggingface-hub==0.36.2" "multiprocess==0.70.15")
+info "pip install mini-swe-agent==$VERSION, the project's packages held (log: $LOG_DIR/minisweagent.log)"
+if ! (run_logged "$LOG_DIR/minisweagent.log" "${PIP[@]}" "mini-swe-agent==$VERSION" "${HINTS[@]}") 2>/dev/null; then
+  info "the hinted versions no longer fit: resolving without them (minutes)"
+  run_logged "$LOG_DIR/minisweagent.log" "${PIP[@]}" "mini-swe-agent==$VERSION"
+fi
 MSWEA_SILENT_STARTUP=1 MSWEA_GLOBAL_CONFIG_DIR=$VENV/mswea-config "$VENV/bin/python" -c \
   'import minisweagent.agents.interactive, minisweagent.models.test_models, minisweagent; print("    mini-swe-agent", minisweagent.__version__)' \
   || die "mini-swe-agent does not import in $VENV"
