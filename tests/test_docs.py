@@ -1,16 +1,23 @@
-"""Every python snippet in README.md and docs/ compiles and imports only names that exist, and
-every repository path the docs name (``belayer_env/...py``, ``benchmarks/...``) is there.
+"""Every python snippet in README.md and docs/ compiles and imports only names that exist,
+every repository path and module the docs name is there, and every snippet of the README and
+the env half's pages that is whole (no name left for the reader to fill in, such as
+``my_agent``) runs as written against the real Docker engine and CRIU.
 
-The snippets that need a live engine or sandboxes run in their own tests (docs/training.md's
-``rollout_one``: tests/examples/test_docs_training.py); this one catches what a move of
-modules, a rename or a deleted benchmark breaks, in seconds and without Docker.
+docs/training.md's ``rollout_one`` runs in tests/examples/test_docs_training.py (a container
+killed under it); the path and import checks catch what a move of modules, a rename or a
+deleted benchmark breaks, in seconds and without Docker.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
+import os
 import re
+import subprocess
+import symtable
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +108,48 @@ def test_dotted_names_the_docs_show_resolve() -> None:
                       for name in DOTTED.findall(page.read_text())
                       if name not in NOT_MODULES and not _resolves(name)})
     assert not missing, "\n".join(missing)
+
+
+RUN_PAGES = ["README.md", "docs/sandbox.md", "docs/capture.md", "docs/restore.md", "docs/fork.md", "docs/env.md"]
+
+
+def _free_names(source: str) -> set[str]:
+    """Names a snippet reads but never binds (not builtins): left for the reader to supply."""
+    top = symtable.symtable(source, "snippet", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    free: set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for sym in table.get_symbols():
+            name = sym.get_name()
+            if (sym.is_referenced() and (sym.is_global() or table is top) and not sym.is_assigned()
+                    and not sym.is_imported() and name not in bound and not hasattr(builtins, name)):
+                free.add(name)
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return free
+
+
+WHOLE = [(p, n, src) for p, n, src in SNIPPETS if p in RUN_PAGES and not _free_names(src)]
+
+
+def test_the_whole_snippets_are_found() -> None:
+    assert len(WHOLE) >= 8, [(p, n) for p, n, _ in WHOLE]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("page", "line", "source"), WHOLE, ids=[f"{p}:{n}" for p, n, _ in WHOLE])
+def test_whole_snippet_runs(page: str, line: int, source: str, docker_client, tmp_path: Path) -> None:
+    from belayer_env.ops.gc import list_managed
+
+    with subprocess.Popen([sys.executable, "-c", source], cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT),
+                               "BELAYER_CHECKPOINTS": str(tmp_path / "checkpoints")}) as proc:
+        out, err = proc.communicate(timeout=280)
+    assert proc.returncode == 0, f"{page}:{line}\n{out[-2000:]}\n{err[-3000:]}"
+    pid = f":{proc.pid}"  # the snippet's process owned what it made: nothing of it may be left running
+    left = [c for c in list_managed(docker_client) if c.owner.endswith(pid) and c.status == "running"]
+    assert not left, left
