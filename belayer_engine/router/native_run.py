@@ -40,6 +40,7 @@ class NativeRun:
         self.spans: list[dict] = []  # weight version of each run of output tokens
         self._texts: dict[int, str | None] = {}
         self._matched: str | None = None
+        self._cache: tuple = (0, None)  # the first worker's prefix-cache hit (SGLang's radix cache)
 
     # ------------------------------------------------------------------ driving
 
@@ -76,6 +77,8 @@ class NativeRun:
             await chunks.aclose()  # closes the worker stream: the worker frees the request
 
     def _absorb(self, chunk: Chunk) -> None:
+        if not self.gen.recoveries and isinstance(chunk.meta.get("cached_tokens"), int):
+            self._cache = (chunk.meta["cached_tokens"], chunk.meta.get("cached_tokens_details"))
         if not chunk.ids:
             return
         version = _version(chunk.meta.get("weight_version", self.gen.weight_version))
@@ -130,16 +133,17 @@ class NativeRun:
     def payload(self, final: bool, index: int | None = None) -> dict:
         """The SGLang response (``final``) or streamed chunk for this generation so far."""
         gen = self.gen
-        spans = self.spans or [{"version": "default", "start": 0, "end": 0}]
+        v = gen.weight_version
+        spans = self.spans or [{"version": "default" if v is None else str(v), "start": 0, "end": 0}]
         meta: dict = {"id": self.item.rid, "finish_reason": gen.finish if final else None,
                       "prompt_tokens": len(gen.prompt_ids), "weight_version": spans[-1]["version"],
                       "num_retractions": 0}
         if self.item.return_logprob:
             meta.update(self._logprobs())
-        meta.update({"reasoning_tokens": 0, "completion_tokens": len(gen.generated), "cached_tokens": 0})
+        meta.update({"reasoning_tokens": 0, "completion_tokens": len(gen.generated), "cached_tokens": self._cache[0]})
         if final:
             meta["weight_versions"] = [dict(s) for s in spans]
-        meta.update({"cached_tokens_details": None, "dp_rank": None})
+        meta.update({"cached_tokens_details": self._cache[1], "dp_rank": None})
         if final:
             meta["e2e_latency"] = time.time() - self.started
             meta["belayer"] = gen.summary()  # recoveries, workers, failures (ours; SGLang has none)

@@ -1,0 +1,202 @@
+"""Conformance of the engine's native API with a bare SGLang 0.5.23 server (issue 33, item 1).
+
+The same requests (greedy, streamed and not, batched, n > 1, logprobs, stops, abort) go to
+a plain SGLang server loading the embedded model from disk and to a RecoverableEngine over
+real SGLang workers on that model (weights mapped from the arena). The answers are compared
+field by field: the same keys (the engine adds only ``meta_info.belayer``, its recovery
+record), the same value types all the way down, and the same ids for greedy requests. Then
+a real SIGKILL of the serving SGLang server mid-generation, on ``/generate`` streamed and
+not: one generation with the ids of the bare server's greedy run and the logprobs of the
+engine's fault-free one, one weight version.
+
+One bare server and one engine for the module (each SGLang server takes a minute or more
+to start here); the bare server starts while the engine does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import subprocess
+from urllib.parse import urlsplit
+
+import pytest
+
+from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
+from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
+from belayer_engine.engine import RecoverableEngine
+from belayer_engine.router import RouterConfig
+from tests.belayer_engine.conftest import free_port, poll
+from tests.belayer_engine.router.native_client import call, generate
+from tests.belayer_engine.router.native_faults import generate_through_a_sigkill
+
+from .conftest import sglang_venv
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+START_S = 600.0
+PROMPT = [72, 101, 108, 108, 111, 32, 98, 101, 108, 97, 121]
+LONG = 1500  # greedy tokens: long enough that a kill at KILL_AT lands mid-generation
+KILL_AT = 8
+LP_TOL = 1e-3  # SGLang's CPU kernels are not bit-stable between batch shapes (see test_sglang_engine)
+OURS_ONLY = {"belayer"}  # meta_info keys the engine adds (its recovery record)
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    venv = sglang_venv()
+    cfg = SGLangServerConfig(model_path=str(ensure_embedded_model()), port=free_port(), venv=venv)
+    log = open(tmp_path_factory.mktemp("bare") / "sglang.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{cfg.port}"
+    try:
+        yield proc, url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own group: SGLang's scheduler and detokenizer too
+        proc.wait(timeout=60)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(bare, tmp_path_factory):
+    proc, url = bare
+    router = RouterConfig(request_wait_s=START_S, stall_timeout_s=60.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BELAYER_SHM_DIR", str(tmp_path_factory.mktemp("shm")))
+        with RecoverableEngine.launch(backend="sglang", sglang_venv=sglang_venv(), start_timeout_s=START_S,
+                                      router=router) as eng:
+            eng.wait_ready(timeout=START_S)
+            poll(lambda: proc.poll() is None and call(url, "GET", "/health", timeout=5)[0] == 200, START_S,
+                 "the bare SGLang server to answer /health")
+            yield url, eng
+
+
+def _same_shape(ours, theirs, where: str = "") -> None:
+    """Keys and value types, recursively (``None`` where SGLang has ``None``)."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict), f"{where}: {type(ours).__name__} where SGLang has an object"
+        missing = set(theirs) - set(ours)
+        extra = set(ours) - set(theirs) - (OURS_ONLY if where.endswith("meta_info") else set())
+        assert not missing and not extra, f"{where}: keys missing {sorted(missing)}, extra {sorted(extra)}"
+        for k in theirs:
+            _same_shape(ours[k], theirs[k], f"{where}.{k}")
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list), f"{where}: {type(ours).__name__} where SGLang has a list"
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+            _same_shape(a, b, f"{where}[{i}]")
+    else:
+        assert type(ours) is type(theirs), f"{where}: {type(ours).__name__} {ours!r} vs SGLang's {type(theirs).__name__} {theirs!r}"
+
+
+def _both(servers, body: dict):
+    url, eng = servers
+    base = eng.base_url.removesuffix("/v1")
+    theirs, ours = generate(url, body), generate(base, body)
+    assert theirs[0] == ours[0] == 200, (theirs, ours)
+    return ours[1], theirs[1]
+
+
+def _greedy(max_new: int = 8, **extra) -> dict:
+    return {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, **extra}
+
+
+CASES = {
+    "greedy": _greedy(),
+    "logprobs": _greedy(return_logprob=True, top_logprobs_num=3),
+    "text_logprobs": {"text": "Hello belay", "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+                      "return_logprob": True, "return_text_in_logprobs": True},
+    "streamed": _greedy(stream=True, return_logprob=True),
+    "batched": {"input_ids": [PROMPT, PROMPT[:5]], "rid": "batch", "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+    "batched_streamed": {"input_ids": [PROMPT, PROMPT[:5]], "stream": True,
+                         "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+    "n": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "n": 2}},
+    "stop_token": _greedy(max_new=32),  # stop_token_ids filled in from the greedy answer
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_answers_like_a_bare_sglang_server(servers, case):
+    body = dict(CASES[case])
+    if case == "stop_token":
+        ids = generate(servers[0], _greedy(max_new=32))[1]["output_ids"]
+        body["sampling_params"] = {**body["sampling_params"], "stop_token_ids": [ids[5]]}
+    ours, theirs = _both(servers, body)
+    if body.get("stream"):
+        finals = lambda chunks: {c.get("index", 0): c for c in chunks if c["meta_info"]["finish_reason"]}  # noqa: E731
+        _same_shape(ours[0], theirs[0], "first_chunk")
+        ours, theirs = finals(ours), finals(theirs)
+        assert sorted(ours) == sorted(theirs)
+        ours, theirs = [ours[k] for k in sorted(ours)], [theirs[k] for k in sorted(theirs)]
+    _same_shape(ours, theirs, "response")
+    for a, b in zip(ours if isinstance(ours, list) else [ours], theirs if isinstance(theirs, list) else [theirs],
+                    strict=True):
+        assert a["output_ids"] == b["output_ids"], f"{case}: greedy ids differ from bare SGLang's"
+        assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    print(f"{case}: same keys and types as SGLang 0.5.23, ids equal")
+
+
+def _stream_then_abort(base: str, rid: str) -> dict:
+    """The final chunk of a streamed greedy request aborted once it has KILL_AT tokens."""
+    body = _greedy(max_new=LONG, rid=rid, stream=True)
+    body["sampling_params"]["ignore_eos"] = True
+    u = urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        conn.request("POST", "/generate", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        aborted, last = False, None
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[6:])
+            if not aborted and len(last["output_ids"]) >= KILL_AT:
+                assert call(base, "POST", "/abort_request", {"rid": rid})[0] == 200
+                aborted = True
+            if last["meta_info"]["finish_reason"]:
+                break
+        return last
+    finally:
+        conn.close()
+
+
+def test_abort_request_answers_like_sglang(servers):
+    url, eng = servers
+    theirs = _stream_then_abort(url, "abort-theirs")
+    ours = _stream_then_abort(eng.base_url.removesuffix("/v1"), "abort-ours")
+    _same_shape(ours, theirs, "response")
+    assert ours["meta_info"]["finish_reason"]["type"] == "abort" == theirs["meta_info"]["finish_reason"]["type"]
+    assert ours["meta_info"]["finish_reason"] == theirs["meta_info"]["finish_reason"]
+    assert KILL_AT <= len(ours["output_ids"]) < LONG
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sigkill_of_the_serving_sglang_server_mid_generation(servers, stream):
+    url, eng = servers
+    base = eng.base_url.removesuffix("/v1")
+    eng.wait_ready(timeout=START_S, stable=True)
+    body = _greedy(max_new=LONG, return_logprob=True)
+    body["sampling_params"]["ignore_eos"] = True
+    bare_ids = generate(url, body)[1]["output_ids"]
+    want = generate(base, body)[1]
+    assert want["output_ids"] == bare_ids
+    status, out, pid = generate_through_a_sigkill(eng, base, {**body, "rid": f"kill-{stream}", "stream": stream},
+                                                  KILL_AT, timeout=START_S)
+    assert status == 200, out
+    final = out[-1] if stream else out
+    meta = final["meta_info"]
+    assert final["output_ids"] == bare_ids, meta["belayer"]
+    assert meta["belayer"]["recoveries"] == 1, meta["belayer"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == bare_ids
+    worst = max(abs(a[0] - b[0]) for a, b in zip(meta["output_token_logprobs"], want["meta_info"]["output_token_logprobs"],
+                                                  strict=True))
+    assert worst <= LP_TOL, worst
+    assert len(meta["weight_versions"]) == 1 and meta["weight_versions"][0]["end"] == LONG
+    print(f"sglang stream={stream}: pid {pid} SIGKILLed; {LONG} ids equal to bare SGLang's; "
+          f"max |logprob diff| {worst:.2e}; {meta['belayer']['failures']}")
