@@ -30,7 +30,7 @@ def _snippets() -> list[tuple[str, int, str]]:
     out = []
     for page in PAGES:
         text = page.read_text()
-        for m in re.finditer(r"```python\n(.*?)```", text, re.DOTALL):
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE):  # fences at line starts
             out.append((page.relative_to(ROOT).as_posix(), text[: m.start()].count("\n") + 2, m.group(1)))
     return out
 
