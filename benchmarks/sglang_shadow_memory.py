@@ -6,10 +6,11 @@ checkpoint from disk (a second copy), runs one greedy request on each (so the we
 pages are touched) and reads ``/proc/<pid>/smaps_rollup`` of every process of each
 server: RSS counts shared pages in every process that touched them, PSS splits them
 among the sharers, "private" is memory no other process shares. Writes
-``benchmarks/results/sglang_shadow_memory_<device>.json``.
+``benchmarks/results/sglang_shadow_memory_cpu.json`` and its plot (``.png``).
 
     python benchmarks/sglang_shadow_memory.py                  # CPU, a ~0.6 GB fp32 model
     python benchmarks/sglang_shadow_memory.py --layers 4 --hidden 256 --vocab 512
+    python benchmarks/sglang_shadow_memory.py --replot         # only redraw the plot of the JSON
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import _procmem as procmem  # noqa: E402 - benchmarks/, on sys.path when run as a script
+from _plotting import pyplot, save_result  # noqa: E402
 
 from belayer_engine.arena.client import ArenaClient  # noqa: E402
 from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env  # noqa: E402
@@ -65,13 +67,40 @@ def wait_health(port: int, proc: subprocess.Popen, timeout: float, spawned: floa
     raise SystemExit(f"server on port {port} not healthy after {timeout}s")
 
 
+def plot(result: dict, path: Path) -> None:
+    """RSS, PSS and private MiB of each server (and the arena) side by side."""
+    plt = pyplot()
+    if plt is None:
+        return
+    mem = result["memory_mib"]
+    names = {"weight_cache_client": "SGLang on the arena's weights\n(a Belayer worker or shadow)",
+             "own_copy": "SGLang with its own copy", "arena": "the arena"}
+    fields, w = ("rss", "pss", "private"), 0.26
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for j, field in enumerate(fields):
+        xs = [k + j * w for k in range(len(names))]
+        ax.bar(xs, [mem[n][field] for n in names], width=w, label=field.upper() if field != "private" else "private")
+    ax.set_xticks([k + w for k in range(len(names))], list(names.values()), fontsize=8)
+    ax.set_ylabel("MiB (summed over each server's processes)")
+    ax.set_title(f"{result['model']['weights_mib']:.0f} MiB of weights: the shadow's private memory is "
+                 f"{result['own_copy_minus_client_private_mib']:.0f} MiB lower", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--replot", action="store_true", help="only redraw the plot of the JSON in --out")
     args = p.parse_args()
+    if args.replot:
+        path = Path(args.out) / "sglang_shadow_memory_cpu.json"
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        return
     cfg = embedded_config(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                           num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
                           head_dim=64, vocab_size=args.vocab)
@@ -108,9 +137,7 @@ def main() -> None:
         }
         mem = result["memory_mib"]
         result["own_copy_minus_client_private_mib"] = round(mem["own_copy"]["private"] - mem["weight_cache_client"]["private"], 1)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sglang_shadow_memory_cpu.json").write_text(json.dumps(result, indent=2))
+        save_result(result, Path(args.out) / "sglang_shadow_memory_cpu.json", plot)
         print(json.dumps(result, indent=2))
     finally:
         for proc in procs:
