@@ -132,3 +132,26 @@ def test_skyrl_gym_is_imported_lazily():
     assert out.returncode == 0, out.stderr
     assert "ImportError: belayer.wrappers.skyrl needs skyrl-gym" in out.stdout
     assert "scripts/setup_skyrl.sh" in out.stdout
+
+
+def test_exhausted_recovery_raises_never_an_observation(skyrl_env, docker_client):
+    """No checkpoints, one recovery attempt, and boundary 0's fresh sandbox failing as it is
+    created (a phase hook raising the project's ``InjectedFault``, as its fault injector
+    does): ``step`` raises the env's
+    ``InfraError`` (no sample, never reward 0) instead of returning a step dict."""
+    from belayer_core.errors import InfraError
+    from belayer_env.faults import InjectedFault
+    from belayer_env.phases import Phase
+
+    env = skyrl_env({"checkpoint_policy": "never", "recovery_attempts": 1}, {"max_turns": 5})
+    env.init([{"role": "user", "content": "t"}])
+    assert env.step(reply("echo 1 >> /log"))["observations"]
+
+    def fail_fresh_sandboxes(phase: Phase) -> None:
+        if phase == Phase.CREATED:
+            raise InjectedFault("injected: the host cannot create sandboxes")
+
+    env.env.add_phase_hook(fail_fresh_sandboxes)
+    kill_container(docker_client, env.env.sandbox.container_id)
+    with pytest.raises(InfraError):
+        env.step(reply("echo 2 >> /log"))
