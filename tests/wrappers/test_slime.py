@@ -246,3 +246,28 @@ def test_the_sample_is_aborted_only_when_recovery_is_exhausted(engine, golden):
     assert s.metadata["belayer"]["failed"] == "more than 2 rollbacks"
     assert len(s.metadata["belayer"]["rollbacks"]) == 3 and s.response_length == 0
     assert s.tokens == golden.tokens[: len(golden.tokens) - golden.response_length]
+
+
+def test_the_calls_slime_makes_to_an_external_engine(engine):
+    """Besides ``/generate``: discovery (slime/backends/sglang_utils/external.py lines 77-86,
+    95-99: ``GET /server_info``, then ``/get_server_info``) and the end of every rollout
+    (sglang_rollout.py line 349 -> server_control.py lines 32-40: ``POST /abort_request``
+    ``{"abort_all": true}``, then ``GET /v1/loads?include=core`` until it counts 0 requests)."""
+    from tests.belayer_engine.router.native_client import call
+
+    base = engine.base_url.removesuffix("/v1")
+    status, info = call(base, "GET", "/server_info")
+    assert status == 200 and isinstance(info, dict), info
+    pp = int(info.get("pp_size") or info.get("pipeline_parallel_size") or 1)  # external.py lines 95-97
+    tp = int(info.get("tp_size") or info.get("tensor_parallel_size") or 1)
+    assert int(info.get("num_gpus") or info.get("num_gpus_per_engine") or tp * pp) >= 1
+    assert info.get("disaggregation_mode") not in ("prefill", "decode") and not info.get("encoder_only")
+    assert call(base, "POST", "/abort_request", {"abort_all": True})[0] == 200
+    status, load = call(base, "GET", "/v1/loads?include=core")
+    assert status == 200, (status, load)
+    # server_control.num_requests_from_load (lines 12-29): an idle engine counts 0
+    load = load.get("loads", load) if isinstance(load, dict) else load
+    loads = load if isinstance(load, list) else [load]
+    assert sum(int(x.get("num_reqs", x.get("num_total_reqs", x.get("total_reqs", 0))) or 0)
+               + int(x.get("num_running_reqs", x.get("total_running_reqs", 0)) or 0)
+               + int(x.get("num_waiting_reqs", x.get("total_waiting_reqs", 0)) or 0) for x in loads) == 0
