@@ -130,7 +130,8 @@ async def run_episode(args: Any, sample: Any, sampling_params: dict[str, Any], c
                 break
             out.observation(codec, obs)
             out.commit(step_info["belayer"]["step"])
-    except (InfraError, _Unrecoverable) as e:  # recovery is exhausted: no sample, never a reward of 0
+    except (InfraError, _Unrecoverable) as e:  # recovery is exhausted: kept out of the loss
+        # (remove_sample); the 0.0 only fills slime's reward arithmetic, as its coding-agent example does
         out.cut(out.boundary)
         end, reward = status.ABORTED, 0.0
         sample.remove_sample = True
