@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Remove Belayer sandbox containers whose owner process no longer runs, end engine "
                                    "processes (arenas, workers, shadows) whose engine is gone (owner pid + start "
                                    "time), remove the /dev/shm files (weights, KV) of arenas that were killed, "
-                                   "the shared layers of forks that no container uses any more, and the copies of "
+                                   "the shared layers of forks that no container uses any more, the processes of "
+                                   "dumps whose checkpointer died (runc, CRIU, action scripts), and the copies of "
                                    "checkpoints that containerd unpacked for restores whose process is gone "
                                    "(containerd never removes them).")
     p.add_argument("--all", action="store_true", help="remove every Belayer container, owned or not "
@@ -50,12 +51,21 @@ def run(args: argparse.Namespace) -> int:
     from belayer_engine.arena.shm_files import orphaned, reap_orphans
     from belayer_engine.backends.sglang import shm_files as sglang_shm
     from belayer_engine.owner import orphans
-    from belayer_env.ops.gc import GcReport, list_managed, remove_all, sweep_shared_layers
+    from belayer_env.ops.gc import (
+        GcReport,
+        dump_helpers,
+        end_dump_helpers,
+        list_managed,
+        remove_all,
+        sweep_shared_layers,
+    )
     from belayer_env.restore import ctrd_copies
     from belayer_env.sandbox.docker_api import connect
 
     engine_procs = orphans()
     ended = [] if args.dry_run else _end_processes([pid for pid, _ in engine_procs])
+    helpers = dump_helpers()  # runc, CRIU, action scripts of dumps whose checkpointer died
+    helpers_ended = [] if args.dry_run else end_dump_helpers(helpers)
     arena_files = [str(p) for p in orphaned()] if args.dry_run else reap_orphans()
     arena_files += [str(p) for p in sglang_shm.orphaned()] if args.dry_run else sglang_shm.reap_orphans()
     client = connect(timeout=DOCKER_TIMEOUT_S)  # every Docker call bounded: a wedged container cannot hang gc
@@ -73,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             "removed": [c.name for c in targets if c.id in removed],
             "failed": {c.name: failed[c.id] for c in targets if c.id in failed},
             "engine_processes": [{"pid": pid, "owner": own, "ended": pid in ended} for pid, own in engine_procs],
+            "dump_helpers": [{"pid": h.pid, "comm": h.comm, "owner": h.owner, "container": h.container,
+                              "ended": h.pid in helpers_ended} for h in helpers],
             "arena_files": arena_files,
             "shared_layers": shared_layers,
             "containerd_checkpoint_copies": copies,
@@ -82,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         for pid, own in engine_procs:
             verb = "would end" if args.dry_run else ("ended" if pid in ended else "still alive")
             print(f"{verb:>12}  engine process {pid}  (owner {own} gone)")
+        for h in helpers:
+            verb = "would end" if args.dry_run else ("ended" if h.pid in helpers_ended else "still alive")
+            print(f"{verb:>12}  {h.comm} {h.pid}  (a dump of {h.container[:12]}; its checkpointer {h.owner} is gone)")
         for path in arena_files:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (arena process gone)")
         for name in shared_layers:

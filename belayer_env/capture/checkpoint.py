@@ -37,7 +37,7 @@ import docker
 
 from belayer_core.errors import BelayerError, CheckpointFailed, InfraError, UsageError
 from belayer_env.capture import incremental
-from belayer_env.criu import runtime
+from belayer_env.criu import precheck, runtime
 from belayer_env.criu.hooks import dump_stats
 from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.sandbox import disk, freezer, writeback
@@ -91,6 +91,9 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
             if runtime and (why := runtime_unavailable(sandbox)):
                 raise CheckpointFailed(f"runtime checkpoint unavailable: {why}; pass runtime=False for a file-system-only (degraded) checkpoint")
             info = _inspect(sandbox)
+            if runtime and (control := freezer.control_file(sandbox.container_id)) is not None \
+                    and (why := precheck.traced_task(control.parent / "cgroup.procs")):
+                raise _refused(why)  # CRIU would retry for 10 s with the sandbox frozen, then fail
             upper = layer.upper_dir(info)
             shared = shared_layer.of_container(info)  # a fork: its upperdir holds only its own writes
             _check_space(sandbox, info, store)  # before the freeze: a too-large layer never freezes
@@ -174,6 +177,12 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
     return ck
 
 
+def _refused(why: str) -> CheckpointFailed:
+    err = CheckpointFailed(f"runtime checkpoint refused: {why}")
+    err.reason = why  # type: ignore[attr-defined]  # the one line the env reports
+    return err
+
+
 def runtime_unavailable(sandbox: Sandbox) -> str | None:
     return runtime.available(sandbox.container_id)
 
@@ -210,7 +219,7 @@ def _frozen_part(sandbox: Sandbox, info: dict[str, Any], upper: Path, scratch: P
         tar = layer.Capture(upper, scratch / "layer.tar", max_layer)
         if with_runtime:
             runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network,
-                         abort=abort, boosted=False)
+                         abort=abort, boosted=False, ghost_limit=sandbox.config.memory_bytes)
             hook(Phase.RUNTIME_DUMPED)
         try:
             tar.wait()
@@ -318,7 +327,7 @@ def _frozen_incremental(sandbox: Sandbox, info: dict[str, Any], scratch: Path, d
         control = freezer.control_file(cid)
         thaw_with = (control, "THAWED" if control.name == "freezer.state" else "0") if control and not paused else None
         runtime.dump(cid, scratch / "runtime", scratch / "work", isolated=not sandbox.config.network,
-                     abort=abort, hooks=hooks, orphan_thaw=thaw_with)
+                     abort=abort, hooks=hooks, orphan_thaw=thaw_with, ghost_limit=sandbox.config.memory_bytes)
     finally:
         if paused:  # CRIU found it frozen and left it so
             if not freezer.is_frozen(cid):

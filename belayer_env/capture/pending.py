@@ -136,6 +136,22 @@ class PendingCheckpoint:
         return self._finished.is_set()
 
 
+REASON_CHARS = 300
+
+
+def reason_of(error: BaseException) -> str:
+    """Why a capture failed, in one line: the ``reason`` of the error or of what caused it
+    (CRIU's own error line, a refused dump's cause), else the message's first line."""
+    seen: BaseException | None = error
+    while seen is not None:
+        reason = getattr(seen, "reason", None)
+        if isinstance(reason, str) and reason.strip():
+            return reason.strip().splitlines()[0][:REASON_CHARS]
+        seen = seen.__cause__
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:REASON_CHARS]
+
+
 def start_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None = None, *, runtime: bool = True,
                      phase_hook: PhaseHook | None = None, prestage: bool = True) -> PendingCheckpoint:
     """Start ``full_checkpoint`` on a background thread; see ``PendingCheckpoint``.

@@ -10,9 +10,12 @@ are seized, ``post-dump`` after every image is written and before they are resum
 ``network-unlock`` just before CRIU lets them go. The script (one per dump, in the
 dump's 0700 work dir; ``sh``, handing ``pre-dump`` and ``post-dump`` to a bash one)
 writes the event name into one FIFO and, for ``pre-dump`` and ``post-dump``, waits for
-the answer on another; a relay thread here calls the hooks. Both FIFOs are opened read-write so no open ever blocks; an answer that never
-comes (the caller died: the script polls its pid; or it hangs past the dump timeout)
-fails the dump, and CRIU resumes the tasks.
+the answer on another; a relay thread here calls the hooks. Both FIFOs are opened
+read-write so no open ever blocks; an answer that never comes (the caller died: the script
+checks its pid *and* start time, never a bare pid; or it hangs past the dump timeout)
+fails the dump, and CRIU resumes the tasks. A caller that died after freezing the cgroup
+leaves a watcher that holds CRIU by a pidfd (``_WATCH``: no pid number that could be
+reused) and thaws the cgroup once CRIU has exited, or after the dump timeout at the latest.
 """
 
 from __future__ import annotations
@@ -20,19 +23,55 @@ from __future__ import annotations
 import os
 import shlex
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from belayer_core.procfs import OwnerId
+
 STATS_FILE = "stats-dump"
-_ORPHANED = """orphaned() {{  # the checkpointer died: once CRIU (our parent) is gone, thaw what it froze
-  kill -0 {pid} 2>/dev/null && return 1
-  [ -n {freezer} ] && ( while kill -0 $PPID 2>/dev/null; do sleep 0.01; done
-                         echo {thawed} > {freezer} ) </dev/null >/dev/null 2>&1 &
+_ORPHANED = """alive() {{  # the checkpointer: pid {pid} *and* its start time (a pid alone may be reused)
+  local s
+  read -r s 2>/dev/null </proc/{pid}/stat || return 1
+  s=${{s##*) }}
+  set -- $s
+  [ "${{20}}" = {start} ]
+}}
+orphaned() {{  # the checkpointer died: thaw what it froze once CRIU (an ancestor) has exited
+  alive && return 1
+  [ -n {freezer} ] && {python} -I -S -c {watch} $$ {freezer} {thawed} {bound} </dev/null >/dev/null 2>&1
   return 0
 }}
+"""
+_WATCH = """
+import os, select, sys
+script, ctl, value, bound = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+def stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        head, _, tail = f.read().rpartition(")")
+    return head.partition("(")[2], int(tail.split()[1])
+chain, fd = [script], None
+try:  # CRIU runs `sh -c SCRIPT`: walk up from the script to it, then hold it by a pidfd
+    while len(chain) < 5 and fd is None:
+        comm, parent = stat(chain[-1])
+        chain.append(parent)
+        if stat(parent)[0] == "criu":
+            fd = os.pidfd_open(parent)
+    # still each one's parent after the pidfd was taken: that pidfd is this very CRIU
+    if fd is not None and any(stat(c)[1] != p for c, p in zip(chain, chain[1:])):
+        os.close(fd)
+        fd = None
+except (OSError, ValueError, IndexError):
+    fd = None
+if os.fork() == 0:  # the script (and CRIU) go on; this waits for CRIU's exit, never past bound
+    if fd is not None:
+        select.select([fd], [], [], bound)
+    with open(ctl, "w") as f:
+        f.write(value)
+os._exit(0)
 """
 _SCRIPT = """#!/bin/sh
 # CRIU runs this (through sh -c) at every stage. The two stages inside the freeze that need
@@ -66,7 +105,12 @@ esac
 
 class CriuError(Exception):
     """CRIU/runc could not dump or restore (message carries the log's tail). Defined here, the
-    lower of the two CRIU modules; ``runtime.CriuError`` is the same class."""
+    lower of the two CRIU modules; ``runtime.CriuError`` is the same class. ``reason``: why,
+    in one line (CRIU's own error line, not its whole log)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or (message.splitlines()[0][:300] if message else "CRIU failed")
 
 
 class FreezeHooks(Protocol):
@@ -102,7 +146,9 @@ class HookRelay:
         os.mkfifo(answer, 0o600)
         self.script = work / "criu-hook.sh"
         waiter = work / "criu-wait.sh"
-        orphaned = _ORPHANED.format(pid=os.getpid(),
+        me = OwnerId.current()
+        orphaned = _ORPHANED.format(pid=me.pid, start=me.start_time, python=shlex.quote(sys.executable),
+                                    watch=shlex.quote(_WATCH), bound=f"{max(1.0, timeout_s):g}",
                                     freezer=shlex.quote(str(orphan_thaw[0])) if orphan_thaw else "''",
                                     thawed=shlex.quote(orphan_thaw[1]) if orphan_thaw else "''")
         waiter.write_text(_WAITER.format(orphaned=orphaned, answer=shlex.quote(str(answer)),

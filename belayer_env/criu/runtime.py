@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from typing import Any
 
 from belayer_core.errors import UsageError
 from belayer_core.procfs import session_members
-from belayer_env.criu import cgroup_yard
+from belayer_env.criu import cgroup_yard, helpers
 from belayer_env.criu.hooks import CriuError, FreezeHooks, HookRelay
 from belayer_env.host import fast_tar
 from belayer_env.store.manifest import check_file, copy_hashed
@@ -87,7 +88,7 @@ def available(container_id: str | None = None) -> str | None:
 def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
          abort: threading.Event | None = None, timeout_s: float | None = None,
          hooks: FreezeHooks | None = None, boosted: bool = True,
-         orphan_thaw: tuple[Path, str] | None = None) -> None:
+         orphan_thaw: tuple[Path, str] | None = None, ghost_limit: int | None = None) -> None:
     """CRIU-dump the (paused) container's process tree into ``images``; it keeps running.
 
     ``isolated`` (no network): nothing outside can talk to the frozen sockets, so CRIU's
@@ -111,13 +112,21 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     between the two belongs to the same frozen instant as the images. An exception from
     ``before_resume`` fails the dump (CRIU resumes the processes) and is re-raised.
     ``boosted``: runc and CRIU run at ``CRIU_NICE``. ``orphan_thaw``: see ``HookRelay``.
+    ``ghost_limit``: the largest deleted-but-open file CRIU copies into the images (its
+    default, 1 MiB, fails the dump of any process holding a bigger temp file); the caller
+    passes what the sandbox's memory allows.
+
+    runc, CRIU, the action scripts and their helpers carry ``helpers.MARKER`` in their
+    environment (this process's owner id): ``belayer gc`` ends them once it is dead.
+    A failed dump raises ``CriuError`` whose ``reason`` is CRIU's own error in one line.
     """
     images.mkdir(mode=0o700)
     work.mkdir(mode=0o700)
-    env = dict(os.environ)
+    env = {**os.environ, **helpers.marker_env(container_id, orphan_thaw)}
     if FAST_TAR and fast_tar.installed():
         env["PATH"] = fast_tar.dump_path(env.get("PATH"))  # CRIU's tmpfs dumps, in-process
-    lines = (["network-lock skip"] if isolated else []) + ([CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else [])
+    lines = (["network-lock skip"] if isolated else []) + ([f"ghost-limit {ghost_limit}"] if ghost_limit else [])
+    lines += [CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else []
     if CGROUP_YARD and (yard := cgroup_yard.make(work)) is not None:
         lines.append(f"cgroup-yard {yard}")  # no cgroup mounts inside the freeze (cgroup_yard)
     relay = (HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s, orphan_thaw)
@@ -165,12 +174,14 @@ def _run_dump(argv: list[str], env: dict[str, str], work: Path, abort: threading
         if stop is not None:
             kill_session(proc.pid)
             proc.wait()
-            raise CriuError(f"runc checkpoint {stop}; runc and CRIU were killed{_log_tail(work / 'dump.log')}")
+            raise CriuError(f"runc checkpoint {stop}; runc and CRIU were killed{_log_tail(work / 'dump.log')}",
+                            reason=f"the CRIU dump {stop}")
         err.seek(0)
         stderr = err.read()
     if proc.returncode != 0:
-        raise CriuError(f"runc checkpoint failed ({proc.returncode}): {stderr.strip()[-300:]}"
-                        f"{_log_tail(work / 'dump.log')}")
+        reason = criu_reason(work / "dump.log") or (stderr.strip().splitlines() or ["runc checkpoint failed"])[-1]
+        raise CriuError(f"{reason} (runc checkpoint failed ({proc.returncode}): {stderr.strip()[-300:]}"
+                        f"{_log_tail(work / 'dump.log')})", reason=reason[:REASON_CHARS])
 
 
 def kill_session(sid: int) -> list[int]:
@@ -182,6 +193,25 @@ def kill_session(sid: int) -> list[int]:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
     return killed
+
+
+REASON_CHARS = 300
+_HARMLESS = ("Can't setup RLIMIT_NOFILE",)  # CRIU's own warnings logged as errors, seen on every dump here
+_LOCATION = re.compile(r"^\(\s*[\d.]+\)\s+Error\s+\([^)]*\):\s*")
+
+
+def criu_reason(log: Path) -> str | None:
+    """The first real error of a CRIU log, in one line (``criu: <what CRIU said>``), without
+    its time stamp and source location; None when the log has none."""
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in text:
+        m = _LOCATION.match(line)
+        if m and not any(h in line for h in _HARMLESS):
+            return "criu: " + line[m.end():].strip()
+    return None
 
 
 def _log_tail(log: Path, lines: int = 8) -> str:

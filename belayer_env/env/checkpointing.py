@@ -18,7 +18,7 @@ import docker
 
 from belayer_core.errors import CheckpointFailed, InfraError, RestoreFailed, SandboxLost
 from belayer_env.capture.checkpoint import full_checkpoint
-from belayer_env.capture.pending import PendingCheckpoint, start_checkpoint
+from belayer_env.capture.pending import PendingCheckpoint, reason_of, start_checkpoint
 from belayer_env.env.policy import CheckpointPolicy
 from belayer_env.phases import PhaseHooks
 from belayer_env.restore.prestaging import discard_copies
@@ -66,6 +66,7 @@ class Checkpointer:
         self._pending_step = 0
         self._pending_started = 0.0
         self._waited_for = False  # the step after the capture has waited for its thaw
+        self.failure: dict[str, Any] | None = None  # the newest capture failure not yet reported
         self.sandbox_config: SandboxConfig | None = None
         """The settings of the sandbox this env created (in memory, never read from a manifest):
         what its restores may ask for at most (``restore/trust.py``)."""
@@ -128,8 +129,9 @@ class Checkpointer:
                 self._pending = None
                 elapsed = time.monotonic() - self._pending_started
                 timeout = getattr(getattr(self.policy, "config", None), "capture_timeout_s", None)
-                self.policy.observe_capture_failed(timed_out=timeout is not None and elapsed >= timeout)
-                self.record("checkpoint_abandoned", at_step=step)
+                self._failed("checkpoint_abandoned", step, f"abandoned: the sandbox was still frozen by the "
+                             f"capture of step {self._pending_step} when step {step + 1} began",
+                             timed_out=timeout is not None and elapsed >= timeout)
                 return
             self.policy.observe_wait(time.monotonic() - t0)
         self.poll(step)
@@ -154,22 +156,15 @@ class Checkpointer:
             ckpt = pending.wait(timeout=wait_s if wait_s > 0 else None)
         except TimeoutError:
             return  # still running: keep it
-        except CheckpointFailed as e:
+        except (CheckpointFailed, InfraError) as e:  # InfraError: e.g. a fault injected at a phase
             self._pending = None
-            self.policy.observe_capture_failed(timed_out=False)
-            self.record("checkpoint_failed", at_step=step, error=e)
-            return
-        except InfraError as e:  # e.g. a fault injected at a phase: the same outcome
-            self._pending = None
-            self.policy.observe_capture_failed(timed_out=False)
-            self.record("checkpoint_failed", at_step=step, error=e)
+            self._failed("checkpoint_failed", step, reason_of(e), error=e)
             return
         if ckpt is None and not pending.done():
             return  # still running: keep it
         self._pending = None
         if ckpt is None:
-            self.policy.observe_capture_failed(timed_out=False)
-            self.record("checkpoint_failed", at_step=step)
+            self._failed("checkpoint_failed", step, "the capture was cancelled")
             return
         self.ready.append(ckpt)
         self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()] + [pending]
@@ -178,6 +173,21 @@ class Checkpointer:
         self.record("checkpoint_ready", at_step=ckpt.step)
         self._prune()
         self._prepare_standby(ckpt)
+
+    def _failed(self, kind: str, step: int, reason: str, *, error: BaseException | None = None,
+                timed_out: bool = False) -> None:
+        """A capture ended without a checkpoint: the policy counts it, the trajectory records
+        it, and the step that collected it says so in one line (``take_failure``). The ready
+        checkpoints are untouched."""
+        self.policy.observe_capture_failed(timed_out=timed_out)
+        self.record(kind, at_step=step, error=error, reason=reason)
+        self.failure = {"step": self._pending_step, "reason": reason}
+
+    def take_failure(self) -> dict[str, Any] | None:
+        """The newest capture failure not yet reported (``{"step", "reason"}``), once: what
+        ``info["belayer"]["checkpoint_failed"]`` of the step that collected it holds."""
+        failure, self.failure = self.failure, None
+        return failure
 
     def _prepare_standby(self, ckpt: Checkpoint) -> None:
         """Pre-restore ``ckpt`` into the (one) standby when enabled and the policy wants it;
@@ -241,7 +251,7 @@ class Checkpointer:
         if self._pending is not None:  # outlived the wait: not trustworthy in time
             self._pending.cancel()
             self._pending = None
-            self.record("checkpoint_abandoned", at_step=committed)
+            self.record("checkpoint_abandoned", at_step=committed, reason="abandoned: still running at a recovery")
         parts["wait_capture"] = parts.get("wait_capture", 0.0) + time.monotonic() - t
         t = time.monotonic()
         try:
@@ -329,12 +339,12 @@ class Checkpointer:
             pending.abort()
             pending.wait(timeout=CANCEL_THAW_S)
         if step is not None:
-            self.policy.observe_capture_failed(timed_out=False)
-            self.record("checkpoint_abandoned", at_step=step)
+            self._failed("checkpoint_abandoned", step, "abandoned: the sandbox died under the capture")
 
     def reset(self) -> None:
         """New episode: abort the capture in flight and forget every checkpoint."""
         self.abort_inflight()
+        self.failure = None
         if self.standby is not None:
             self.standby.discard()
         for c in self.ready:

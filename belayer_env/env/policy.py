@@ -129,6 +129,7 @@ class PolicyEstimates:
         self.steps = 0
         self.failures = 0
         self.readies = 0  # checkpoints that became ready (their spacing: a standby's lifetime)
+        self.capture_failures = 0  # captures that failed or were abandoned
         self.capture_s: float | None = None
         self.generation_s: float | None = None
         self.wait_s: float | None = None  # measured visible cost of a capture
@@ -141,11 +142,12 @@ class PolicyEstimates:
             copy.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_lock"})
         return copy
 
-    def count(self, *, steps: int = 0, failures: int = 0, readies: int = 0) -> None:
+    def count(self, *, steps: int = 0, failures: int = 0, readies: int = 0, capture_failures: int = 0) -> None:
         with self._lock:
             self.steps += steps
             self.failures += failures
             self.readies += readies
+            self.capture_failures += capture_failures
 
     def update(self, name: str, sample: float, smoothing: float, prior: float | None = None) -> None:
         """Moving average ``name`` with ``sample`` (from ``prior`` when there is none yet;
@@ -216,6 +218,8 @@ class AdaptivePolicy:
     steps = property(lambda self: self.estimates.steps)
     failures = property(lambda self: self.estimates.failures)
     readies = property(lambda self: self.estimates.readies)
+    capture_failures = property(lambda self: self.estimates.capture_failures)
+    failed_in_row = property(lambda self: self._failed_in_row)
     capture_s = property(lambda self: self.estimates.capture_s)
     generation_s = property(lambda self: self.estimates.generation_s)
     wait_s = property(lambda self: self.estimates.wait_s)
@@ -303,6 +307,7 @@ class AdaptivePolicy:
         self.estimates.update("capture_s", max(0.0, total_s), self.config.smoothing)
 
     def observe_capture_failed(self, timed_out: bool) -> None:
+        self.estimates.count(capture_failures=1)
         self._failed_in_row += 1
         if timed_out or self._failed_in_row >= self.config.failures_to_cool:
             self.cooldown_until = self.clock() + self.config.cooldown_s

@@ -208,6 +208,8 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
             info["submission"] = submission
         elif not truncated and checkpoint:
             self.checkpointer.after_step(self.sandbox, k + 1)  # runs during the LLM's next generation
+        if (failed := self.checkpointer.take_failure()) is not None:  # a capture collected in this step failed
+            info["belayer"]["checkpoint_failed"] = failed
         self._last_return = time.monotonic()
         return observation, reward, submitted, truncated, info
 

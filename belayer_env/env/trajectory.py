@@ -37,6 +37,9 @@ class InfraEvent(BaseModel):
     error: str | None = None
     """Exception type name (the recovery decision keys on it)."""
     message: str | None = None
+    reason: str | None = None
+    """``checkpoint_failed`` / ``checkpoint_abandoned``: why, in one line (also in that step's
+    ``info["belayer"]["checkpoint_failed"]``)."""
     discarded_steps: int = 0
     exit_code: int | None = None
     """``sandbox_exited``: the code the sandbox's init exited with (an action ended it from inside)."""

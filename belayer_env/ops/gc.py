@@ -1,4 +1,5 @@
-"""Find and remove sandbox containers whose owning process is gone.
+"""Find and remove sandbox containers whose owning process is gone, and end the helper
+processes of dumps whose checkpointer is gone (``dump_helpers``).
 
 A container can be wedged: left paused (its freezer cgroup FROZEN) by a capture whose
 process died, sometimes with a ``runc init`` stuck so that Docker's own calls on it hang.
@@ -16,6 +17,7 @@ import docker
 import docker.errors
 import requests
 
+from belayer_env.criu import helpers
 from belayer_env.sandbox import freezer
 from belayer_env.sandbox.config import MANAGED_LABEL
 from belayer_env.sandbox.docker_api import translate_errors
@@ -86,6 +88,17 @@ def remove_all(client: docker.DockerClient, containers: list[ManagedContainer]) 
 def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> list[str]:
     """Force-remove ``containers``; return the ids removed (``remove_all`` also says why not)."""
     return remove_all(client, containers).removed
+
+
+def dump_helpers() -> list[helpers.Helper]:
+    """The processes of dumps whose checkpointer is gone (runc, CRIU, their action scripts, an
+    orphan-thaw watcher), found by the marker every dump gives them (``criu/helpers.py``)."""
+    return helpers.orphans()
+
+
+def end_dump_helpers(found: list[helpers.Helper]) -> list[int]:
+    """End ``found`` (by pidfd) and thaw the cgroups their dumps had frozen; the pids ended."""
+    return helpers.end(found)
 
 
 def sweep_shared_layers(client: docker.DockerClient, *, dry_run: bool = False) -> list[str]:
