@@ -120,7 +120,9 @@ class NativeAdmin:
             if not isinstance(path, str) or not path:
                 raise UsageError("model_path: a directory with the checkpoint's *.safetensors")
             layout, dtype = await self.control.weight_layout()
-            tensors = await asyncio.to_thread(_load_checkpoint, Path(path), layout, dtype)
+            from belayer_engine.weights_disk import load_checkpoint  # torch: only when asked
+
+            tensors = await asyncio.to_thread(load_checkpoint, Path(path), layout, dtype)
             applied = await asyncio.shield(self.control.update_weights(tensors, version=version))
         except BelayerError as exc:
             status = 409 if isinstance(exc, StaleWeightVersion) else failure_status(exc)
@@ -153,23 +155,3 @@ def _parse_version(value) -> int | None:
     if not isinstance(text, str) or not text.isdigit() or int(text) < 1:
         raise UsageError(f"weight_version: a positive integer (as a string), got {value!r}")
     return int(text)
-
-
-def _load_checkpoint(path: Path, layout: dict[str, list[int]], dtype: str) -> dict:
-    """Every tensor of ``path``'s ``*.safetensors`` files, in the served dtype (as SGLang
-    casts on load); names and shapes are checked by the arena."""
-    from safetensors.torch import load_file
-
-    from belayer_engine.model.weights import torch_dtype
-
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        raise UsageError(f"model_path {str(path)!r}: no *.safetensors files there")
-    tensors: dict = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    want = torch_dtype(dtype)
-    extra = sorted(set(tensors) - set(layout))
-    if extra:
-        raise UsageError(f"model_path {str(path)!r}: tensors the served model does not have: {extra[:5]}")
-    return {name: t.to(want) for name, t in tensors.items()}

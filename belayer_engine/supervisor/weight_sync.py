@@ -1,0 +1,124 @@
+"""Engine-wide weight versions: every slot, its shadow and any cold restart serve one version.
+
+A mixin of ``Supervisor``: ``update_weights`` pushes to every slot's arena under one
+version and keeps a host copy (``weights.py``) that a slot restarted from scratch gets
+before a worker is routed to it. The weight endpoint, ``RecoverableEngine.update_weights``
+and SGLang's ``/update_weights_from_disk`` on the router all come here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from belayer_core.errors import (
+    ArenaLost,
+    DeviceUnhealthy,
+    StaleWeightVersion,
+    UsageError,
+    WorkerLost,
+)
+from belayer_engine.arena.client import ArenaClient
+from belayer_engine.supervisor.slot import Slot
+
+log = logging.getLogger("belayer_engine.supervisor.supervisor")
+
+
+class WeightSync:
+    """Weight updates and their re-application on cold restarts (mixed into ``Supervisor``)."""
+
+    async def update_weights(self, state_dict: Mapping[str, Any], version: int | None = None) -> int:
+        """Push new weights (all or some, by HF name) to every slot's arena under one
+        engine-wide version and keep them for slots that start from scratch later; returns
+        the version once every slot in service serves it.
+
+        ``version``: publish this number (newer than every slot's) instead of the newest
+        + 1; not newer: ``StaleWeightVersion``. A slot whose arena does not take the update
+        is taken out of service and cold restarted (the restart applies everything kept
+        here), so no slot in service ever serves older weights than the version returned.
+        Bad names or shapes: UsageError, and no slot changed.
+        """
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise UsageError("update_weights needs a non-empty mapping: HF weight name -> tensor")
+        if version is not None and (type(version) is not int or version < 1):
+            raise UsageError(f"version must be a positive int, got {version!r}")
+        async with self._weights_lock:
+            live = [s for s in self.slots if not s.excluded]
+            if not live:
+                raise DeviceUnhealthy("update_weights: every slot is excluded")
+            seen = {s.name: await self._arena_version(s) for s in live}
+            for slot in live:
+                if seen[slot.name] > self.weights.version:  # pushed straight to the arena: not kept
+                    log.warning("slot %s: arena serves version %d, newer than the engine's %d: an update went "
+                                "straight to the arena (lost at a cold restart of the slot)",
+                                slot.name, seen[slot.name], self.weights.version)
+                    self._event(slot, "weights_unmanaged", arena_version=seen[slot.name],
+                                engine_version=self.weights.version)
+            current = max([self.weights.version, *seen.values()])
+            if version is not None and version <= current:
+                raise StaleWeightVersion(f"version {version} is not newer than the current {current}")
+            version = current + 1 if version is None else version
+            taken: list[str] = []
+            for slot in live:
+                try:  # bad names/shapes: UsageError from the first arena, before it changed anything
+                    await asyncio.to_thread(self._arena_client(slot).update_weights, state_dict, version)
+                except (ArenaLost, WorkerLost, OSError) as exc:
+                    await self._restart_for_weights(slot, f"weight update v{version} failed: {exc}")
+                    continue
+                if not taken:  # the first arena validated names and shapes
+                    self.weights.merge(state_dict, version)
+                taken.append(slot.name)
+                self._event(slot, "weights_updated", version=version)
+            if not taken:
+                raise WorkerLost(f"update_weights: no arena took version {version} (slots restart and retry)")
+            return version
+
+    async def weight_layout(self) -> tuple[dict[str, list[int]], str]:
+        """HF name -> shape of every served weight, and their dtype (from an arena, once)."""
+        if self._layout is None:
+            errors = []
+            for slot in [s for s in self.slots if not s.excluded]:
+                try:
+                    info = await asyncio.to_thread(self._arena_client(slot).describe)
+                except (ArenaLost, OSError) as exc:
+                    errors.append(f"{slot.name}: {exc}")
+                    continue
+                shapes = {name: list(shape) for name, (_off, shape) in info["layout"].items()}
+                self._layout = (shapes, str(info["model"]["dtype"]))
+                break
+            else:
+                raise ArenaLost(f"no arena answered for the weight layout: {errors or 'every slot is excluded'}")
+        return self._layout
+
+    async def _arena_version(self, slot: Slot) -> int:
+        try:
+            return int((await asyncio.to_thread(self._arena_client(slot).describe)).get("version", 0))
+        except (ArenaLost, OSError, ValueError):
+            return 0
+
+    def _arena_client(self, slot: Slot) -> ArenaClient:
+        return ArenaClient(str(slot.socket), timeout=self.config.start_timeout_s)
+
+    async def _restart_for_weights(self, slot: Slot, reason: str) -> None:
+        """Out of service now; cold restart (re-applies the kept weights) in the background."""
+        await self.table.mark_down(slot.name, reason)
+        arena = slot.arena
+        if arena is not None:
+            self._spawn_task(self._handle_arena_failure(slot, arena, reason))
+
+    async def _start_arena_with_weights(self, slot: Slot) -> None:
+        """Start the slot's arena and give it every update kept so far, at the current
+        version. Under the weights lock from start to re-apply: an update pushed meanwhile
+        would give the fresh arena a newer version without the earlier updates."""
+        async with self._weights_lock:
+            await self._start_arena(slot)
+            tensors, version = self.weights.snapshot()
+            if not tensors:
+                return
+            try:
+                await asyncio.to_thread(self._arena_client(slot).update_weights, tensors, version)
+            except (ArenaLost, OSError) as exc:
+                raise WorkerLost(f"re-applying weights v{version}: {exc}") from exc
+            self._event(slot, "weights_reapplied", version=version, names=len(tensors))
