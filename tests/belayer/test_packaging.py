@@ -37,7 +37,7 @@ def test_a_non_editable_install_ships_wrappers_and_examples_inside_belayer(tmp_p
     assert build.returncode == 0, build.stderr[-3000:]
 
     top = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin"}
-    assert top == {"belayer", "belayer_env", "belayer_engine"}
+    assert top == {"belayer", "belayer_core", "belayer_env", "belayer_engine"}
     chat, config, module = _python(IMPORTS, cwd=tmp_path, path=target)
     assert chat == str(target / "belayer" / "wrappers" / "chat_history.py")
     assert config == str(target / "belayer" / "examples" / "swe_rl" / "config.py")

@@ -55,9 +55,9 @@ def test_the_knob_takes_keep_or_a_bucket_count():
 
 def test_setup_step_refuses_a_bad_knob_with_exit_2(table):
     found = conntrack.buckets()
-    proc = subprocess.run([sys.executable, str(ROOT / "belayer_env" / "conntrack.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "belayer_env" / "host" / "conntrack.py")], capture_output=True,
                           text=True, timeout=60, env={**os.environ, conntrack.ENV: "lots"})
     assert proc.returncode == 2 and conntrack.ENV in proc.stderr and conntrack.buckets() == found
-    proc = subprocess.run([sys.executable, str(ROOT / "belayer_env" / "conntrack.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "belayer_env" / "host" / "conntrack.py")], capture_output=True,
                           text=True, timeout=60, env={**os.environ, conntrack.ENV: "keep"})
     assert proc.returncode == 0 and f"kept at {found}" in proc.stdout

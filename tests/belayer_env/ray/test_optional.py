@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CORE = ("belayer_env", "belayer_env.env.recoverable", "belayer_env.checkpoint", "belayer_env.env.resumable",
+CORE = ("belayer_env", "belayer_env.env.recoverable", "belayer_env.capture.checkpoint", "belayer_env.restore.restore", "belayer_env.env.resumable",
         "belayer_env.store.replica", "belayer_env.registration")
 
 
