@@ -4,7 +4,7 @@ Served with SGLang 0.5.23's paths and bodies so that a trainer's calls to an SGL
 reach the engine unchanged. Weight updates become ONE engine-wide version through the
 supervisor (``control``: every slot, its shadow, and any later cold restart serve it; see
 ``supervisor/weights.py``); a router over fixed workers has no supervisor and answers 501
-for them. Routes a backend cannot serve answer 501 naming why, never a silent 200.
+for them. Routes the engine cannot serve answer 501 naming why, never a silent 200.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .requests import parse_json
 _DISK_IGNORED = {"flush_cache", "torch_empty_cache", "token_step", "recapture_cuda_graph"}
 _DISK_NEUTRAL = {"load_format": (None, "auto", "safetensors"), "abort_all_requests": (False,), "is_async": (False,),
                  "keep_pause": (False,), "manifest": (None,)}
+_TENSOR_NEUTRAL = {"load_format": (None,), "abort_all_requests": (False,), "selector": ("all", "target")}
 
 
 class NativeAdmin:
@@ -104,37 +105,48 @@ class NativeAdmin:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """SGLang's body (``model_path``, optional ``weight_version``): the checkpoint's
         safetensors become one engine-wide version (a decimal ``weight_version`` picks it)."""
-        if self.control is None:
-            return _weights_answer(False, "this router serves fixed workers without a supervisor: update them directly", 501)
-        try:
-            body = parse_json(await request.read())
-            if not isinstance(body, dict):
-                raise UsageError("body must be a JSON object with 'model_path'")
-            unknown = sorted(set(body) - {"model_path", "weight_version", *_DISK_IGNORED, *_DISK_NEUTRAL})
-            if unknown:
-                raise UsageError(f"unknown field(s) {unknown}")
-            for key, ok in _DISK_NEUTRAL.items():
-                if key in body and body[key] not in ok:
-                    raise UsageError(f"{key}: not supported by this engine (only {ok!r} accepted)")
-            path, version = body.get("model_path"), _parse_version(body.get("weight_version"))
+        async def tensors(body: dict) -> dict:
+            path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise UsageError("model_path: a directory with the checkpoint's *.safetensors")
             layout, dtype = await self.control.weight_layout()
             from belayer_engine.weights_disk import load_checkpoint  # torch: only when asked
 
-            tensors = await asyncio.to_thread(load_checkpoint, Path(path), layout, dtype)
-            applied = await asyncio.shield(self.control.update_weights(tensors, version=version))
+            return await asyncio.to_thread(load_checkpoint, Path(path), layout, dtype)
+
+        return await self._update(request, {"model_path", *_DISK_IGNORED}, _DISK_NEUTRAL, tensors)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's body (``serialized_named_tensors``: base64 ``ForkingPickler`` pickles of
+        (name, tensor) pairs; shared-memory handles, decoded by an allowlist of torch's rebuild
+        functions only) becomes one engine-wide version, like ``update_weights_from_disk``."""
+        async def tensors(body: dict) -> dict:
+            from belayer_engine.weights_tensor import decode_named_tensors  # torch: only when asked
+
+            return await asyncio.to_thread(decode_named_tensors, body.get("serialized_named_tensors"))
+
+        return await self._update(request, {"serialized_named_tensors", *_DISK_IGNORED}, _TENSOR_NEUTRAL, tensors)
+
+    async def _update(self, request: web.Request, fields: set[str], neutral: dict, tensors) -> web.Response:
+        if self.control is None:
+            return _weights_answer(False, "this router serves fixed workers without a supervisor: update them directly", 501)
+        try:
+            body = parse_json(await request.read())
+            if not isinstance(body, dict):
+                raise UsageError("body must be a JSON object")
+            unknown = sorted(set(body) - {"weight_version", *fields, *neutral})
+            if unknown:
+                raise UsageError(f"unknown field(s) {unknown}")
+            for key, ok in neutral.items():
+                if key in body and body[key] not in ok:
+                    raise UsageError(f"{key}: not supported by this engine (only {ok!r} accepted)")
+            version = _parse_version(body.get("weight_version"))
+            state = await tensors(body)
+            applied = await asyncio.shield(self.control.update_weights(state, version=version))
         except BelayerError as exc:
             status = 409 if isinstance(exc, StaleWeightVersion) else failure_status(exc)
             return _weights_answer(False, f"{type(exc).__name__}: {exc}", status)
         return _weights_answer(True, f"Succeeded to update model weights. Weight version updated to {applied}.", 200)
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        return _weights_answer(False, (
-            "update_weights_from_tensor is not served: its serialized_named_tensors are pickled "
-            "process-local handles (unpickling them from HTTP would run the sender's code, and the "
-            "engine's weights live in its arenas, not in this process); use update_weights_from_disk "
-            "or the engine's weight endpoint (belayer_engine.weights_client.EngineWeights)"), 501)
 
     async def memory_occupation(self, request: web.Request) -> web.Response:
         return native_error(501, (

@@ -12,6 +12,7 @@ test_sglang_native.py.
 from __future__ import annotations
 
 import http.client
+import os
 from urllib.parse import urlsplit
 
 import pytest
@@ -184,7 +185,7 @@ def test_info_health_and_cache_routes(engine):
     assert call(b, "GET", "/health_generate", headers=AUTH)[0] == 200
     assert call(b, "GET", "/health")[0] == 200
     assert call(b, "POST", "/flush_cache", headers=AUTH)[0] == 200
-    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor"):
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         status, out = call(b, "POST", path, {}, AUTH)
         assert status == 501 and "not served" in str(out), (path, out)
     assert call(b, "GET", "/model_info")[0] == 401  # the key guards the native routes too
@@ -210,6 +211,49 @@ def test_update_weights_from_disk_is_one_engine_wide_version(engine, tmp_path):
     assert status == 409 and not out["success"], out  # not newer than 7
     status, out = call(base(engine), "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "none")}, AUTH)
     assert status == 400 and "safetensors" in out["message"], out
+
+
+def _pickled(obj) -> str:
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)  # what SGLang's MultiprocessingSerializer sends
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_update_weights_from_tensor_takes_tensor_handles_only(engine):
+    import torch
+    import torch.multiprocessing as mp
+
+    before = gen(engine, greedy(12))
+    layout, _ = engine.call(engine.supervisor.weight_layout())
+    name = "lm_head.weight" if "lm_head.weight" in layout else "model.embed_tokens.weight"
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")  # shared-memory files any process of the user can map
+    try:
+        head = torch.randn(layout[name], generator=torch.Generator().manual_seed(11))
+        status, out = call(base(engine), "POST", "/update_weights_from_tensor",
+                           {"serialized_named_tensors": [_pickled([(name, head)])], "weight_version": "9",
+                            "flush_cache": True}, AUTH)
+    finally:
+        mp.set_sharing_strategy(old)
+    assert status == 200 and out["success"], out
+    after = gen(engine, greedy(12))
+    assert after["meta_info"]["weight_version"] == "9" and after["output_ids"] != before["output_ids"]
+    status, out = call(base(engine), "POST", "/update_weights_from_tensor",
+                       {"serialized_named_tensors": [_pickled(_RunsCode())]}, AUTH)
+    assert status == 400 and "system" in out["message"] and not out["success"], out  # never run
+    status, out = call(base(engine), "POST", "/update_weights_from_tensor",
+                       {"serialized_named_tensors": [_pickled([(name, torch.zeros(2))])]}, AUTH)
+    assert status == 400 and "file_system" in out["message"], out  # the fd strategy names a socket of the sender
+    assert gen(engine, greedy(12))["output_ids"] == after["output_ids"]  # nothing changed
 
 
 def _raw_get(url: str, path: str, authorization: bytes) -> int:
