@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer_env.criu import runtime
-from belayer_env.store import layer
+from belayer_env.store import layer, long_paths
 from belayer_env.store.manifest import read_manifest
 
 INDEX = "index.json"
@@ -224,10 +225,18 @@ def scan(upper: Path) -> dict[str, str]:
 
 
 def copy_entries(upper: Path, paths: list[str], dest: Path, listing: Path, max_bytes: int | None) -> None:
-    """tar exactly ``paths`` (no recursion) of ``upper`` into ``dest``."""
-    listing.write_bytes(b"".join(os.fsencode("./" + p if p != "." else ".") + b"\0" for p in paths))
+    """tar exactly ``paths`` (no recursion) of ``upper`` into ``dest``. A path past PATH_MAX
+    (tar would stat it by its whole name) goes in with its deepest short ancestor's whole
+    tree, which tar walks by directory fds (``long_paths.anchors``)."""
+    deep = long_paths.anchors(paths)
+    listing.write_bytes(b"".join(os.fsencode("./" + p if p != "." else ".") + b"\0" for p in paths
+                                 if not long_paths.under(p, deep)))
     argv = ["tar", "--create", "--sparse", "--no-recursion", "--null", f"--file={dest}", *layer.TAR_OPTS,
             f"--directory={upper}", f"--files-from={listing}"]  # -C before -T: positional
+    if deep:
+        anchored = listing.with_name(listing.name + ".deep")
+        anchored.write_bytes(b"".join(os.fsencode("./" + a if a != "." else ".") + b"\0" for a in deep))
+        argv += ["--recursion", f"--files-from={anchored}"]
     if max_bytes is not None and shutil.which("prlimit"):
         argv = ["prlimit", f"--fsize={max_bytes}:{max_bytes}", "--", *argv]
     proc = _run_boosted(argv)
@@ -281,15 +290,11 @@ def update(mirror: Mirror, upper: Path, delta: Delta, checkpoint_id: str) -> Non
         present = set()
     gone = sorted(present - set(delta.scan), key=lambda x: x.count("/"), reverse=True)
     for p in gone:
-        _remove(mirror.tree / p)
+        long_paths.remove(mirror.tree, p)
     for p in delta.changed:
-        _clear(mirror.tree / p, delta.scan[p].split()[2] == "d")
+        _clear(mirror.tree, p, delta.scan[p].split()[2] == "d")
     if delta.changed:
-        proc = subprocess.run(["tar", "--extract", f"--file={delta.tar}", f"--directory={mirror.tree}", *layer.TAR_OPTS,
-                               "--same-permissions", "--same-owner"], capture_output=True)
-        if proc.returncode != 0:
-            raise layer.LayerError(f"unpacking the changed entries into {mirror.tree} failed: "
-                                   f"{proc.stderr.decode(errors='replace').strip()[-500:]}")
+        layer.extract(delta.tar, mirror.tree, f"unpacking the changed entries into {mirror.tree}")
     # removing or recreating an entry touched its directory's mtime in the mirror: put back
     # the scan's. A changed directory too: tar read its mtime a moment after the scan, and
     # CRIU, dumping meanwhile, makes and removes a temp dir in /tmp (or /), so the copy may
@@ -300,37 +305,29 @@ def update(mirror: Mirror, upper: Path, delta: Delta, checkpoint_id: str) -> Non
     for d in ({os.path.dirname(p) or "." for p in (*gone, *delta.changed) if p != "."} - changed) | changed_dirs:
         line = delta.scan.get(d)
         if line is not None:
-            target = mirror.tree / d
             mtime = _ns(line.split()[8])
-            os.utime(target, ns=(os.lstat(target).st_atime_ns, mtime), follow_symlinks=False)
+            with long_paths.at(mirror.tree, d) as (fd, name):
+                os.utime(name, ns=(os.lstat(name, dir_fd=fd).st_atime_ns, mtime), dir_fd=fd, follow_symlinks=False)
     tmp = mirror.root / (INDEX + ".tmp")
     tmp.write_text(json.dumps({"upper": str(upper), "checkpoint": checkpoint_id, "entries": delta.index()}))
     os.replace(tmp, mirror.root / INDEX)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def _clear(path: Path, new_is_dir: bool) -> None:
+def _clear(root: Path, rel: str, new_is_dir: bool) -> None:
     """Make room for a changed entry: a non-directory goes (tar recreates it); a directory
     that stays one keeps its children but loses its xattrs (tar sets the captured ones)."""
     try:
-        is_dir = path.is_dir() and not path.is_symlink()
-    except OSError:
+        with long_paths.at(root, rel) as (fd, name):
+            is_dir = stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode)
+            if is_dir and new_is_dir:
+                where = long_paths.xattr_path(fd, name)
+                for key in os.listxattr(where, follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        os.removexattr(where, key, follow_symlinks=False)
+                return
+    except OSError:  # not there (nor, for a new deep entry, its parent)
         return
-    if not path.exists() and not path.is_symlink():
-        return
-    if is_dir and new_is_dir:
-        for name in os.listxattr(path, follow_symlinks=False):
-            with contextlib.suppress(OSError):
-                os.removexattr(path, name, follow_symlinks=False)
-        return
-    _remove(path)
+    long_paths.remove(root, rel)
 
 
 def _same_entry(line: str, other: str | None) -> bool:

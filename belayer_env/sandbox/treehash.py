@@ -22,8 +22,8 @@ _SCRIPT = r"""
 import hashlib, json, os, stat, sys
 root, exclude = sys.argv[1], set(json.loads(sys.argv[2]))
 h, links = hashlib.sha256(), {}
-def entry(p):
-    st = os.lstat(p)
+def entry(dfd, name, p):  # through the parent's fd: paths past PATH_MAX hash too
+    st = os.lstat(name, dir_fd=dfd)
     m = st.st_mode
     rec = [p, oct(m), str(st.st_uid), str(st.st_gid)]
     if stat.S_ISREG(m):
@@ -33,26 +33,31 @@ def entry(p):
         else:
             links[key] = p
             fh = hashlib.sha256()
-            with open(p, "rb") as f:
+            with open(name, "rb", opener=lambda n, fl: os.open(n, fl | os.O_NOFOLLOW, dir_fd=dfd)) as f:
                 for b in iter(lambda: f.read(1 << 20), b""):
                     fh.update(b)
             rec.append(fh.hexdigest())
     elif stat.S_ISLNK(m):
-        rec.append("->" + os.readlink(p))
+        rec.append("->" + os.readlink(name, dir_fd=dfd))
     elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
         rec.append("dev=%d" % st.st_rdev)
     h.update("\0".join(rec).encode("utf-8", "surrogateescape") + b"\n")
     return stat.S_ISDIR(m)
-def walk(d):
-    for name in sorted(os.listdir(d)):
+def walk(dfd, d):
+    for name in sorted(os.listdir(dfd)):
         p = os.path.join(d, name)
         if p in exclude:
             continue
-        if entry(p):
-            walk(p)
+        if entry(dfd, name, p):
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            try:
+                walk(fd, p)
+            finally:
+                os.close(fd)
 if root not in exclude:
-    entry(root)
-    walk(root)
+    entry(None, root, root)
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    walk(top, root)
 print(h.hexdigest())
 """
 

@@ -5,7 +5,8 @@ lower layers: whiteouts (0:0 character devices), opaque directories and redirect
 (``trusted.overlay.*`` xattrs), modes, numeric owners, symlinks, hardlinks and holes of
 sparse files. Capture runs while the container is frozen, so it only streams bytes into
 tmpfs; hashing and the durable copy happen after thaw. Install streams the file through
-sha256 into ``tar -x`` and refuses the layer if the hash disagrees.
+sha256 into ``tar -x`` and refuses the layer if the hash disagrees. Paths past PATH_MAX,
+which GNU tar archives but cannot extract, are made through directory fds (``long_paths``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+import tarfile
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from belayer_env.store import long_paths
 from belayer_env.store.manifest import CHUNK, check_file
 
 TAR_OPTS = ["--format=posix", "--xattrs", "--xattrs-include=*", "--numeric-owner"]
@@ -105,44 +109,80 @@ def _size(path: Path) -> int:
         return 0
 
 
+EXTRACT = ["tar", "--extract", "--quoting-style=escape", *TAR_OPTS, "--same-permissions", "--same-owner"]
+"""GNU tar as every layer is unpacked (one error per line: ``long_paths.only_too_long``)."""
+
+
 def copy_tree(src: Path, dest: Path) -> None:
     """Copy a layer tree into ``dest`` (another file system: a sandbox's capped layer), keeping
-    what overlay needs (whiteouts, xattrs, owners, holes)."""
-    pack = subprocess.Popen(["tar", "--create", "--sparse", "--file=-", f"--directory={src}", *TAR_OPTS, "."],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    unpack = subprocess.run(["tar", "--extract", "--file=-", f"--directory={dest}", *TAR_OPTS,
-                             "--same-permissions", "--same-owner"], stdin=pack.stdout, capture_output=True)
+    what overlay needs (whiteouts, xattrs, owners, holes); paths past PATH_MAX included."""
+    pack_argv = ["tar", "--create", "--sparse", "--file=-", f"--directory={src}", *TAR_OPTS, "."]
+    pack = subprocess.Popen(pack_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    unpack = subprocess.run([*EXTRACT, "--file=-", f"--directory={dest}"], stdin=pack.stdout, capture_output=True)
     assert pack.stdout is not None
     pack.stdout.close()
     err = pack.stderr.read().decode(errors="replace") if pack.stderr else ""
-    if pack.wait() != 0 or unpack.returncode != 0:
-        raise LayerError(f"copying {src} to {dest} failed: "
-                         f"{(err + unpack.stderr.decode(errors='replace')).strip()[-500:]}")
+    unpack_err = unpack.stderr.decode(errors="replace")
+    if pack.wait() != 0 or (unpack.returncode != 0 and not long_paths.only_too_long(unpack_err)):
+        raise LayerError(f"copying {src} to {dest} failed: {(err + unpack_err).strip()[-500:]}")
+    if unpack.returncode != 0:  # only names too long for tar: made again, through directory fds
+        again = subprocess.Popen(pack_argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert again.stdout is not None
+        try:
+            long_paths.extract_long(again.stdout, dest)
+        except (OSError, tarfile.TarError) as e:
+            raise LayerError(f"copying the long paths of {src} to {dest} failed: {e}") from e
+        finally:
+            again.stdout.close()
+            again.wait()
+
+
+def extract(archive: Path, dest: Path, what: str) -> None:
+    """Unpack ``archive`` into ``dest`` (which may hold a tree already), long paths included."""
+    proc = subprocess.run([*EXTRACT, f"--file={archive}", f"--directory={dest}"], capture_output=True)
+    _finish(proc.returncode, proc.stderr.decode(errors="replace"), archive, dest, what)
+
+
+def _finish(returncode: int, err: str, archive: Path | IO[bytes], dest: Path, what: str) -> None:
+    if returncode == 0:
+        return
+    if not long_paths.only_too_long(err):
+        raise LayerError(f"{what} failed: {err.strip()[-500:]}")
+    try:  # GNU tar failed only on names past PATH_MAX: those are made through directory fds
+        if isinstance(archive, Path):
+            with open(archive, "rb") as f:
+                long_paths.extract_long(f, dest)
+        else:
+            archive.seek(0)
+            long_paths.extract_long(archive, dest)
+    except (OSError, tarfile.TarError) as e:
+        raise LayerError(f"{what} failed on a path past PATH_MAX: {e}") from e
 
 
 def install(src: Path, upper: Path, meta: dict[str, Any]) -> None:
     """Unpack layer ``src`` into an empty upperdir, verifying size + sha256 on the way."""
     h = hashlib.sha256()
     size = 0
-    proc = subprocess.Popen(["tar", "--extract", "--file=-", f"--directory={upper}", *TAR_OPTS,
-                             "--same-permissions", "--same-owner"],
-                            stdin=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdin is not None
-    try:
-        with open(src, "rb") as f:
+    with open(src, "rb") as f, tempfile.TemporaryFile() as errf:  # stderr to a file: a pipe could fill
+        proc = subprocess.Popen([*EXTRACT, "--file=-", f"--directory={upper}"], stdin=subprocess.PIPE, stderr=errf)
+        assert proc.stdin is not None
+        try:
             while chunk := f.read(CHUNK):
                 h.update(chunk)
                 size += len(chunk)
                 proc.stdin.write(chunk)
-        proc.stdin.close()
-    except (OSError, BrokenPipeError) as e:
-        proc.kill()
-        proc.wait()
-        raise LayerError(f"installing {src.name} failed: {e}") from e
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if proc.wait() != 0:
-        raise LayerError(f"tar -x of {src.name} failed: {err.strip()[-500:]}")
-    try:
-        check_file(src.name, meta, size, h.hexdigest())
-    except ValueError as e:
-        raise LayerError(str(e)) from e
+            proc.stdin.close()
+        except (OSError, BrokenPipeError) as e:
+            proc.kill()
+            proc.wait()
+            raise LayerError(f"installing {src.name} failed: {e}") from e
+        returncode = proc.wait()
+        errf.seek(0)
+        err = errf.read().decode(errors="replace")
+        if returncode != 0 and not long_paths.only_too_long(err):
+            raise LayerError(f"tar -x of {src.name} failed: {err.strip()[-500:]}")
+        try:
+            check_file(src.name, meta, size, h.hexdigest())
+        except ValueError as e:
+            raise LayerError(str(e)) from e
+        _finish(returncode, err, f, upper, f"tar -x of {src.name}")  # the same open file: the bytes hashed

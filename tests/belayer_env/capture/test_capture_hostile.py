@@ -13,6 +13,7 @@ from belayer_env.capture.checkpoint import full_checkpoint
 from belayer_env.env.policy import AdaptivePolicy
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox.fence import fence
+from belayer_env.sandbox.treehash import tree_hash
 
 # a background process holding a deleted temp file of SIZE bytes (whole MiB of data); the
 # command returns once it is in place, its pid in /tmp/holder.pid
@@ -33,6 +34,46 @@ TRACED = ("python3 -c 'import ctypes,os,signal,time\n"
           "os.waitpid(pid,os.WUNTRACED); open(\"/tmp/traced.pid\",\"w\").write(str(pid))\n"
           "os.write(w,b\"x\"); time.sleep(1e6)' >/dev/null 2>&1 </dev/null")
 TRACED_STOPPED = "grep -q '^State:.*t (tracing stop)' /proc/$(cat /tmp/traced.pid)/status"
+
+
+# a 5,105-character directory path (past PATH_MAX), with a file, a hard link to it (one deep,
+# one short), a symlink, a FIFO and a sparse file at the bottom
+DEEP = ("cd /tmp && for i in $(seq 50); do mkdir d$(printf '%0100d' 0) && cd d*; done && "
+        "echo deep > f && chmod 640 f && chown 123:456 f && ln f g && ln f /tmp/short-link && ln -s f s && "
+        "mkfifo p && truncate -s 10M sparse && echo x >> sparse && pwd | wc -c")
+IN_DEEP = "cd /tmp && for i in $(seq 50); do cd d*; done && "
+
+
+def _restored_hash(ck, docker_client) -> str:
+    restored = full_restore(ck, client=docker_client)
+    try:
+        return tree_hash(restored, "/tmp")
+    finally:
+        fence(docker_client, restored.name, background=False)
+
+
+@pytest.mark.parametrize("capture", ["incremental", "paused"])
+def test_a_path_past_path_max_does_not_stop_checkpoints(make_sandbox, ck_store, docker_client, capture):
+    sb = make_sandbox()
+    full_checkpoint(sb, ck_store, 1, capture=capture)  # the next capture is a delta against this one
+    assert sb.execute(DEEP)["output"].strip() == "5105"  # characters, with the newline
+    hashes = {2: tree_hash(sb, "/tmp")}
+    ck2 = full_checkpoint(sb, ck_store, 2, capture=capture)
+    # a change deep down, another one left as it was, one removed
+    assert sb.execute(IN_DEEP + "echo more >> f && rm s && mkdir e && echo new > e/h")["returncode"] == 0
+    hashes[3] = tree_hash(sb, "/tmp")
+    ck3 = full_checkpoint(sb, ck_store, 3, capture=capture)
+    assert _restored_hash(ck2, docker_client) == hashes[2]
+    restored = full_restore(ck3, client=docker_client)
+    try:
+        assert tree_hash(restored, "/tmp") == hashes[3]
+        # a restored sandbox's next capture starts from the checkpoint it came from
+        assert restored.execute(IN_DEEP + "rm g && echo again > e/h")["returncode"] == 0
+        hashes[4] = tree_hash(restored, "/tmp")
+        ck4 = full_checkpoint(restored, ck_store, 4, capture=capture)
+    finally:
+        fence(docker_client, restored.name, background=False)
+    assert _restored_hash(ck4, docker_client) == hashes[4]
 
 
 def _holder(sb, size: int) -> None:
