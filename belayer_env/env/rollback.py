@@ -78,12 +78,9 @@ class Rollback:
 
     def _confirm_alive(self) -> None:
         """A command killed by a signal (or that could not start: 126) may have died *with* its
-        container: Docker reports the container running until its init has finished exiting,
-        so ask with one more exec (which fails once the init is exiting) before showing the
-        agent that exit code."""
-        probe = self.sandbox.execute("true", timeout=10)
-        if probe["returncode"] != 0:
-            raise SandboxLost(f"sandbox {self.name}: liveness probe exited {probe['returncode']}")
+        container: ``DockerSandbox.confirm_alive`` asks with one more exec before the agent is
+        shown that exit code (one that forks nothing: a sandbox at its pids limit is alive)."""
+        self.sandbox.confirm_alive(f"sandbox {self.name}: liveness probe")
 
     def _initial_state(self) -> DockerSandbox:
         """Boundary 0: a fresh container from the episode's image plus the task's setup."""

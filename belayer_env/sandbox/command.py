@@ -18,6 +18,16 @@ MAX_COMMAND_BYTES = 2**20
 """Longest command ``execute`` takes (UTF-8 bytes). It travels on the exec's stdin, not in its
 argv, so the kernel's 128 KiB per-argument limit and containerd's message limit never apply."""
 CHUNK_BYTES = 2**20  # the in-sandbox keeper rotates chunk files of this size for the tail
+RESERVED_PIDS = 5
+"""Process slots the wrapper holds (idle subshells) while the command runs and frees when it
+ends: a command whose background jobs take every other slot of the sandbox's pids limit still
+gets its report (a few forks), and the next exec still starts (runc's ``init`` needs 6 or 7
+slots for its threads, else "OCI runtime exec failed")."""
+WRAPPER_PIDS = RESERVED_PIDS + 5
+"""Process slots the wrapper needs beside its own (the reserve, keeper, its ``head``, ``timeout``,
+the login shell, what its profile forks). With fewer free under the sandbox's pids limit (its
+own processes hold the rest), the command runs *direct*: the exec becomes the command's
+``timeout``, one fork in all, so the agent can still run ``pkill`` or ``kill`` there."""
 
 # Runs every command. The command arrives on stdin and is saved to a file; it runs with its
 # output (stdout and stderr merged) on a FIFO, never on the exec pipe. A keeper (``drain``)
@@ -33,8 +43,24 @@ CHUNK_BYTES = 2**20  # the in-sandbox keeper rotates chunk files of this size fo
 # the head and the tail to the exec pipe and "belayer-meta RC TOTAL SENT" to stderr, and exits 0.
 # So the host knows a complete result (exit 0, a report, SENT bytes received) from one the
 # transport cut (SandboxLost) and from a wrapper the command killed (its signal exit code).
+# Under the pids limit: with fewer than R slots free (read with builtins, no fork), it says
+# "belayer-direct MAX CURRENT" and execs ``timeout`` on the command (no login profile, output
+# straight to the exec: the exec's exit code is the command's). Otherwise RS reserve processes
+# hold slots while the command runs and are ended before the report, whose few forks then fit
+# even when the command's background jobs took every other slot.
 EXEC_WRAPPER = r"""
-T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6 CWD=$7
+T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6 CWD=$7 R=$8 RS=$9
+m=; c=
+for g in /sys/fs/cgroup/pids /sys/fs/cgroup; do
+  { read -r m <"$g/pids.max" && read -r c <"$g/pids.current"; } 2>/dev/null && break
+done
+if [ -n "$c" ] && [ -n "$m" ] && [ "$m" != max ] && [ $((m - c)) -lt "$R" ]; then
+  IFS= read -r -d '' cmd
+  echo "belayer-direct $m $c" >&2
+  exec 2>&1 </dev/null
+  cd -- "$CWD" || exit 1
+  exec timeout -k "$K" "$T" bash -c "$cmd"
+fi
 d=/run/belayer; [ -d "$d" ] && [ -w "$d" ] || { d=/tmp/.belayer; mkdir -p -m 700 "$d"; }
 for o in "$d"/c.*; do
   [ -d "$o" ] || continue
@@ -45,7 +71,7 @@ done
 w=$d/c.$ID; mkdir -m 700 "$w" || exit 125
 echo $$ >"$w/wpid"
 cat >"$w/cmd"; printf '%s' "$CWD" >"$w/cwd"
-mkfifo -m 600 "$w/p" "$w/q" || exit 125
+mkfifo -m 600 "$w/p" "$w/q" "$w/r" || exit 125
 echo 0 >"$w/n"; : >"$w/h"; : >"$w/c.0"; : >"$w/c.1"
 exec 5<>"$w/p" 6<>"$w/q" 8<"$w/p"
 u=; command -v stdbuf >/dev/null && u="stdbuf -o0"  # head's stdio would hold bytes back
@@ -66,9 +92,12 @@ drain() {
 }
 drain <"$w/p" >/dev/null 2>&1 5>&- 8>&- &
 dp=$!
+exec 9<>"$w/r"  # reserve: each holds a slot until ended (or until this wrapper dies: EOF)
+rs=(); for ((i = 0; i < RS; i++)); do { read -r _ <"$w/r"; } >/dev/null 2>&1 </dev/null 5>&- 6>&- 8>&- 9>&- & rs+=($!); done
 start=$SECONDS
-timeout -k "$K" "$T" bash -lc "cd -- \"\$(< $w/cwd)\" && eval \"\$(< $w/cmd)\"" >"$w/p" 2>&1 </dev/null 5>&- 6>&- 8>&- &
+timeout -k "$K" "$T" bash -lc "cd -- \"\$(< $w/cwd)\" && eval \"\$(< $w/cmd)\"" >"$w/p" 2>&1 </dev/null 5>&- 6>&- 8>&- 9>&- &
 pid=$!; wait "$pid"; rc=$?
+[ "${#rs[@]}" = 0 ] || { kill "${rs[@]}"; wait "${rs[@]}"; } 2>/dev/null; exec 9>&-  # for the report, the next exec
 if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && [ $((SECONDS - start)) -ge "${T%.*}" ]; then
   while kill -KILL -- "-$pid" 2>/dev/null; do :; done
 fi
@@ -160,6 +189,20 @@ class StreamReader:
                 self.collector.total = max(self.collector.total, int(parts[2]))
                 return int(parts[1]), int(parts[3])
         return None
+
+    def direct(self) -> tuple[int, int] | None:
+        """(pids limit, processes in use) when the wrapper ran the command direct (see
+        ``WRAPPER_PIDS``: the exec's exit code is then the command's); None otherwise."""
+        for line in self._stderr.decode("utf-8", "replace").splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "belayer-direct" and all(p.isdigit() for p in parts[1:]):
+                return int(parts[1]), int(parts[2])
+        return None
+
+    def wrapper_errors(self) -> str:
+        """What the wrapper itself printed to stderr (e.g. bash's "fork: Resource temporarily
+        unavailable" when it could not fork at the pids limit): text from inside the sandbox."""
+        return self._stderr.decode("utf-8", "replace")[-2000:]
 
     def close(self) -> None:
         raw = getattr(self._sock, "_sock", self._sock)

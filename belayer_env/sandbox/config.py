@@ -16,7 +16,15 @@ import os
 import re
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from belayer_core.errors import ConfigError
 
@@ -56,6 +64,19 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
 
 
+def host_ram() -> int | None:
+    """Bytes of RAM of this machine; None when unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return None
+
+
+def _local_daemon(docker_host: str | None) -> bool:
+    """The daemon runs on this machine (a unix socket): its host's limits are this one's."""
+    return (docker_host or os.environ.get("DOCKER_HOST") or "unix://").startswith("unix://")
+
+
 def describe(error: ValidationError) -> str:
     """One line naming every bad field: ``cpus: must be > 0, got 0; foo: unknown option``."""
     parts = []
@@ -92,6 +113,9 @@ class SandboxConfig(StrictModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     image: str = DEFAULT_IMAGE
+    docker_host: str | None = None
+    """Docker daemon URL (e.g. unix:///var/run/docker.sock); None = the environment's. Before the
+    limits: a daemon on this machine bounds ``memory`` by this machine's RAM."""
     cwd: str = "/"
     """Working directory for commands when ``execute`` gets no ``cwd``."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -101,7 +125,8 @@ class SandboxConfig(StrictModel):
     network: StrictBool = False
     """Attach a network. Off by default: sandboxes must not reach the outside."""
     memory: str = "1g"
-    """Memory limit (docker syntax: 512m, 2g). Swap is not allowed on top of it."""
+    """Memory limit (docker syntax: 512m, 2g, 1.5GiB). Swap is not allowed on top of it. With a
+    daemon on this machine, at most its RAM: a limit it cannot honour is refused here."""
     pids_limit: int = 512
     cpus: float = 1.0
     disk: str | None = "5g"
@@ -115,8 +140,6 @@ class SandboxConfig(StrictModel):
     """Output beyond this is cut in the middle with a truncation marker."""
     labels: dict[str, str] = Field(default_factory=dict)
     name_prefix: str = "belayer"
-    docker_host: str | None = None
-    """Docker daemon URL (e.g. unix:///var/run/docker.sock); None = the environment's."""
 
     @field_validator("cwd")
     @classmethod
@@ -155,9 +178,13 @@ class SandboxConfig(StrictModel):
 
     @field_validator("memory")
     @classmethod
-    def _memory(cls, v: str) -> str:
-        if parse_size(v) < 6 * 2**20:
+    def _memory(cls, v: str, info: ValidationInfo) -> str:
+        size = parse_size(v)
+        if size < 6 * 2**20:
             raise ValueError(f"must be at least 6m (Docker's minimum), got {v!r}")
+        ram = host_ram() if _local_daemon(info.data.get("docker_host")) else None
+        if ram is not None and size > ram:
+            raise ValueError(f"must be at most this host's RAM ({ram / 2**30:.1f} GiB), got {v!r}")
         return v
 
     @field_validator("disk")

@@ -24,7 +24,15 @@ import docker
 from belayer_core.errors import ConfigError, InvalidAction, SandboxLost, UsageError
 from belayer_core.procfs import read_stat
 from belayer_env.host import loopback
-from belayer_env.sandbox.command import CHUNK_BYTES, EXEC_WRAPPER, MAX_COMMAND_BYTES, StreamReader
+from belayer_env.sandbox import limits
+from belayer_env.sandbox.command import (
+    CHUNK_BYTES,
+    EXEC_WRAPPER,
+    MAX_COMMAND_BYTES,
+    RESERVED_PIDS,
+    WRAPPER_PIDS,
+    StreamReader,
+)
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.disk import limit_layer
 from belayer_env.sandbox.docker_api import connect, translate_errors
@@ -41,6 +49,7 @@ OUTPUT_TMPFS = {OUTPUT_DIR: "size=64m,mode=0700"}
 TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight
 TRANSPORT_GRACE_S = 15.0  # past timeout + grace with no end of stream: the transport is broken
 POLL_S = 0.2
+PROBE = ["bash", "-c", "exit 0"]  # a builtin: the probe forks nothing inside the sandbox
 
 
 def create_container(client: docker.DockerClient, config: SandboxConfig, name: str,
@@ -81,8 +90,8 @@ def create_container(client: docker.DockerClient, config: SandboxConfig, name: s
                 network_disabled=network_disabled,
                 mounts=[docker.types.Mount("/etc/hosts", str(loopback.HOSTS_PATH), type="bind",
                                            read_only=True)] if network_disabled else None,
-                mem_limit=config.memory,
-                memswap_limit=config.memory,
+                mem_limit=config.memory_bytes,  # bytes: docker-py parses no "t", "MiB" or "1.5g"
+                memswap_limit=config.memory_bytes,
                 pids_limit=config.pids_limit,
                 nano_cpus=int(config.cpus * 1e9),
                 privileged=False,
@@ -183,11 +192,12 @@ class DockerSandbox:
         head, tail = max_out // 2, max_out - max_out // 2
         # coreutils' timeout owns the command's process group, so a timeout kills all of it
         argv = ["bash", "-c", EXEC_WRAPPER, "belayer-exec", f"{limit:g}", str(head), str(tail),
-                uuid.uuid4().hex[:16], str(KILL_GRACE_S), str(max(tail, CHUNK_BYTES)), cwd or self.config.cwd]
+                uuid.uuid4().hex[:16], str(KILL_GRACE_S), str(max(tail, CHUNK_BYTES)), cwd or self.config.cwd,
+                str(WRAPPER_PIDS), str(RESERVED_PIDS)]
         what = f"exec in sandbox {self.name}"
         api = self.client.api
         collector = OutputCollector(max_out)
-        hits_before = self._limit_hits()
+        hits_before = limits.hits(self.container_id)
         with translate_errors(what):
             # the wrapper starts in / and the command cds: a missing cwd is the command's failure
             # (bash's message, exit 1), never the runtime's text
@@ -202,29 +212,39 @@ class DockerSandbox:
         self.check_alive(what)
         if exit_code is None:
             raise SandboxLost(f"{what}: the exec transport broke (no exit code after {elapsed:.1f} s)")
-        meta = reader.apply_meta()
-        if meta is None:
-            if exit_code < 128:
+        hits_after = limits.hits(self.container_id)
+        meta, direct = reader.apply_meta(), reader.direct()
+        output, note = collector.text(), limits.notes(hits_before, hits_after, self.config.memory, self.config.pids_limit)
+        if direct is not None:
+            # near the pids limit the exec became the command's ``timeout``: its exit code is the command's
+            returncode = exit_code
+            note = (f"\n[belayer: {direct[1]} of the sandbox's {direct[0]} processes (pids_limit) were in use: "
+                    f"this command ran without its login profile]") + note
+        elif meta is None:
+            if exit_code == 126 and collector.total and hits_after.pids > hits_before.pids:
+                # the runtime could not fork the exec into a sandbox whose own processes hold every
+                # slot (the container lives: checked above; the runtime said why, where a stream cut
+                # as the command starts says nothing): the agent's outcome, not the runtime's text
+                returncode, output = 126, (f"[belayer: the command could not start: the sandbox's processes use all "
+                                           f"{self.config.pids_limit} of its process slots (pids_limit)]")
+                note = ""
+            elif exit_code < 128:
                 # the wrapper finished but its report was lost (the stream was cut), or it never
                 # ran: what came back is a fragment or the runtime's text (e.g. "OCI runtime exec
                 # failed"), not the command's output, and must not reach the agent
                 raise SandboxLost(f"{what}: the command's report did not arrive (exec exit {exit_code}): "
-                                  f"{_first_line(collector.text())}")
-            returncode = exit_code  # the wrapper was killed (the command ran `kill -9 -1`): its outcome
+                                  f"{_first_line(output)}")
+            else:  # the wrapper was killed (the command ran `kill -9 -1`) or could not fork: its outcome
+                returncode, output = exit_code, output + reader.wrapper_errors()
         else:
             returncode, sent = meta
             if reader.received < sent:
                 raise SandboxLost(f"{what}: the exec stream was cut ({reader.received} of {sent} output "
                                   f"bytes arrived; the command exited {returncode})")
         timed_out = returncode in (124, 137) and elapsed >= limit
-        output = collector.text()
         if timed_out:
             output += f"\n[belayer: command timed out after {limit:g} s and was killed]"
-        oom_after, pids_after = self._limit_hits()
-        if oom_after > hits_before[0]:
-            output += f"\n[belayer: a process was killed for exceeding the memory limit ({self.config.memory})]"
-        if pids_after > hits_before[1]:
-            output += f"\n[belayer: process creation failed at the sandbox's limit of {self.config.pids_limit} processes]"
+        output += note
         result: dict[str, Any] = {"output": output, "returncode": returncode}
         if timed_out:
             result["timed_out"] = True
@@ -285,27 +305,29 @@ class DockerSandbox:
             return False
         return True
 
-    def _cgroup_counter(self, controller: str, filename: str, key: str) -> int:
-        """A counter from the container's cgroup (v1 or v2); 0 when unreadable."""
-        cid = self.container_id
-        for path in (f"/sys/fs/cgroup/{controller}/docker/{cid}/{filename}",
-                     f"/sys/fs/cgroup/system.slice/docker-{cid}.scope/{filename}",
-                     f"/sys/fs/cgroup/docker/{cid}/{filename}"):
-            try:
-                with open(path) as f:
-                    for line in f:
-                        k, _, v = line.partition(" ")
-                        if k == key:
-                            return int(v)
-            except (OSError, ValueError):
-                continue
-        return 0
-
-    def _limit_hits(self) -> tuple[int, int]:
-        """(OOM kills, fork refusals at the pids limit) so far, for reporting to the agent."""
-        oom = self._cgroup_counter("memory", "memory.oom_control", "oom_kill") or \
-            self._cgroup_counter("memory", "memory.events", "oom_kill")
-        return oom, self._cgroup_counter("pids", "pids.events", "max")
+    def confirm_alive(self, what: str) -> None:
+        """``check_alive`` plus one exec: Docker reports a container running until its init has
+        finished exiting, and an exec fails once it is exiting. The exec needs no fork (``bash
+        -c 'exit 0'``), and one that cannot start because the sandbox's own processes hold every
+        slot of its pids limit (or is killed at its memory limit) while the init lives is no
+        evidence of death: a command that hit a limit is the agent's outcome."""
+        self.check_alive(what)
+        before = limits.hits(self.container_id)
+        api = self.client.api
+        with translate_errors(what):
+            exec_id = api.exec_create(self.container_id, PROBE, stdout=True, stderr=True)["Id"]
+            api.exec_start(exec_id)
+            settle = time.monotonic() + 2.0  # the exit code can lag the end of the stream a little
+            while (info := api.exec_inspect(exec_id)).get("Running") and time.monotonic() < settle:
+                time.sleep(0.02)
+        code = None if info.get("Running") else info.get("ExitCode")
+        if code == 0:
+            return
+        self.check_alive(what)
+        after = limits.hits(self.container_id)
+        if code is not None and (after.pids > before.pids or after.oom > before.oom):
+            return  # it could not start, or was killed, at a limit of the sandbox's own
+        raise SandboxLost(f"{what}: container {self.container_id[:12]} failed a liveness probe (exit {code})")
 
     def _require_open(self) -> None:
         if self._closed:
