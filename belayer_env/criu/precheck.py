@@ -1,14 +1,25 @@
-"""What CRIU cannot dump, found before anything is frozen.
+"""What CRIU cannot dump (or restore), found before anything is frozen.
 
 A process traced by another one (a debugger, ``strace -p``, a child that called
 ``PTRACE_TRACEME``) cannot be seized by CRIU: a task has one tracer at a time. CRIU then
 retries for its whole seize timeout (10 s) with the sandbox frozen and fails anyway. Such a
 dump is refused at once instead, with the reason in one line.
+
+A tmpfs of the sandbox (``/dev/shm``, ...) holding a path past PATH_MAX is dumped, but
+CRIU's restore unpacks it with GNU tar, which cannot make such a path: the checkpoint would
+be ready and never restorable. It is refused too (the writable layer's long paths are
+handled: ``store/long_paths.py``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from belayer_env.store.long_paths import LONG
+
+MAX_TMPFS_ENTRIES = 200_000
+"""A tmpfs walk stops after this many entries (the sandbox's tmpfs mounts are small)."""
 
 
 def _status(task: Path) -> dict[str, str]:
@@ -48,4 +59,43 @@ def traced_task(procs: Path) -> str | None:
                 return (f"process {_in_container(st, pid)} ({st.get('Name', '?')}) is traced by process "
                         f"{_in_container(tst, tracer)} ({tst.get('Name', '?')}): CRIU cannot checkpoint a "
                         "traced process (a debugger or strace attached); detach or end it")
+    return None
+
+
+def _tmpfs_mounts(init_pid: int) -> list[str]:
+    try:
+        lines = Path(f"/proc/{init_pid}/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields = head.split()
+        if len(fields) >= 5 and tail.split()[:1] == ["tmpfs"]:
+            out.append(fields[4].encode().decode("unicode_escape"))  # mountinfo escapes spaces as \040
+    return out
+
+
+def long_tmpfs_path(init_pid: int) -> str | None:
+    """Why a dump of the container whose init is ``init_pid`` could not be restored because
+    one of its tmpfs mounts holds a path past PATH_MAX, in one line; None when none does."""
+    walked = 0
+    for mount in _tmpfs_mounts(init_pid):
+        top = f"/proc/{init_pid}/root{mount}"
+        try:
+            dev = os.stat(top).st_dev
+        except OSError:
+            continue
+        for root, dirs, files, fd in os.fwalk(top):
+            if os.fstat(fd).st_dev != dev:  # another mount below this one: checked on its own
+                dirs[:] = []
+                continue
+            rel = root[len(top):]
+            for name in (*dirs, *files):
+                if len(os.fsencode(f".{rel}/{name}")) >= LONG:
+                    return (f"the tmpfs at {mount} holds a path of more than {LONG} bytes, which CRIU's restore "
+                            f"cannot unpack (PATH_MAX): {mount}{rel[:60]}...")
+            walked += len(dirs) + len(files)
+            if walked > MAX_TMPFS_ENTRIES:
+                return None
     return None

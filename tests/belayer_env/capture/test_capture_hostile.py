@@ -76,6 +76,19 @@ def test_a_path_past_path_max_does_not_stop_checkpoints(make_sandbox, ck_store, 
     assert _restored_hash(ck4, docker_client) == hashes[4]
 
 
+def test_a_long_path_in_a_tmpfs_is_refused_not_made_unrestorable(make_sandbox, ck_store):
+    """CRIU dumps a tmpfs (``/dev/shm``) with tar and restores it with GNU tar, which cannot
+    make a path past PATH_MAX: refused at once, in one line, rather than a checkpoint that is
+    ready and can never be restored."""
+    sb = make_sandbox()
+    assert sb.execute(DEEP.replace("cd /tmp", "cd /dev/shm").replace("/tmp/short-link", "/dev/shm/l"))["returncode"] == 0
+    phases = []
+    with pytest.raises(CheckpointFailed) as err:
+        full_checkpoint(sb, ck_store, 1, phase_hook=phases.append)
+    assert phases == [] and err.value.reason.startswith("the tmpfs at /dev/shm holds a path of more than")
+    assert ck_store.list(sb.name) == []
+
+
 def _holder(sb, size: int) -> None:
     assert sb.execute(HOLDER.format(size=size))["returncode"] == 0
     assert sb.execute(HELD_SIZE)["output"].strip() == str(size)
