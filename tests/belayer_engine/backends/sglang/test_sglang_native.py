@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from urllib.parse import urlsplit
 
 import pytest
@@ -31,7 +32,7 @@ from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 from tests.belayer_engine.conftest import free_port, poll
 from tests.belayer_engine.router.native_client import call, generate
-from tests.belayer_engine.router.native_faults import generate_through_a_sigkill
+from tests.belayer_engine.router.native_faults import generated_so_far
 
 from .conftest import sglang_venv
 
@@ -116,15 +117,18 @@ CASES = {
                          "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
     "n": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "n": 2}},
     "stop_token": _greedy(max_new=32),  # stop_token_ids filled in from the greedy answer
+    "stop_string": _greedy(max_new=32),  # a stop string: a printable byte of the greedy answer
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_engine_answers_like_a_bare_sglang_server(servers, case):
     body = dict(CASES[case])
-    if case == "stop_token":
+    if case.startswith("stop_"):
         ids = generate(servers[0], _greedy(max_new=32))[1]["output_ids"]
-        body["sampling_params"] = {**body["sampling_params"], "stop_token_ids": [ids[5]]}
+        printable = [i for i in ids[1:] if 32 <= i < 127]
+        stop = {"stop_token_ids": [ids[5]]} if case == "stop_token" else {"stop": chr(printable[0])}
+        body["sampling_params"] = {**body["sampling_params"], **stop}
     ours, theirs = _both(servers, body)
     if body.get("stream"):
         finals = lambda chunks: {c.get("index", 0): c for c in chunks if c["meta_info"]["finish_reason"]}  # noqa: E731
@@ -176,8 +180,9 @@ def test_abort_request_answers_like_sglang(servers):
     assert KILL_AT <= len(ours["output_ids"]) < LONG
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_sigkill_of_the_serving_sglang_server_mid_generation(servers, stream):
+def test_sigkill_of_the_serving_sglang_server_mid_generation(servers):
+    """One SIGKILL under two greedy generations, one streamed and one not (one kill: a new
+    SGLang shadow takes minutes to start here)."""
     url, eng = servers
     base = eng.base_url.removesuffix("/v1")
     eng.wait_ready(timeout=START_S, stable=True)
@@ -186,17 +191,30 @@ def test_sigkill_of_the_serving_sglang_server_mid_generation(servers, stream):
     bare_ids = generate(url, body)[1]["output_ids"]
     want = generate(base, body)[1]
     assert want["output_ids"] == bare_ids
-    status, out, pid = generate_through_a_sigkill(eng, base, {**body, "rid": f"kill-{stream}", "stream": stream},
-                                                  KILL_AT, timeout=START_S)
-    assert status == 200, out
-    final = out[-1] if stream else out
-    meta = final["meta_info"]
-    assert final["output_ids"] == bare_ids, meta["belayer"]
-    assert meta["belayer"]["recoveries"] == 1, meta["belayer"]
-    assert [e[1] for e in meta["output_token_logprobs"]] == bare_ids
-    worst = max(abs(a[0] - b[0]) for a, b in zip(meta["output_token_logprobs"], want["meta_info"]["output_token_logprobs"],
-                                                  strict=True))
-    assert worst <= LP_TOL, worst
-    assert len(meta["weight_versions"]) == 1 and meta["weight_versions"][0]["end"] == LONG
-    print(f"sglang stream={stream}: pid {pid} SIGKILLed; {LONG} ids equal to bare SGLang's; "
-          f"max |logprob diff| {worst:.2e}; {meta['belayer']['failures']}")
+    results: dict = {}
+    threads = [threading.Thread(target=lambda s=stream: results.update({s: generate(  # noqa: B023
+        base, {**body, "rid": f"kill-{s}", "stream": s}, timeout=START_S)}), daemon=True) for stream in (False, True)]
+    for t in threads:
+        t.start()
+    poll(lambda: len(results) or min(generated_so_far(eng, f"kill-{s}") for s in (False, True)) >= KILL_AT,
+         START_S, f"both generations to reach {KILL_AT} tokens", interval=0.005)
+    assert not results, f"a generation ended before the kill: {results}"
+    pid = eng.worker_pid(0)
+    os.killpg(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(START_S)
+    for stream in (False, True):
+        status, out = results[stream]
+        assert status == 200, out
+        final = out[-1] if stream else out
+        meta = final["meta_info"]
+        assert final["output_ids"] == bare_ids, meta["belayer"]
+        assert meta["belayer"]["recoveries"] == 1, meta["belayer"]
+        assert [e[1] for e in meta["output_token_logprobs"]] == bare_ids
+        worst = max(abs(a[0] - b[0]) for a, b in zip(meta["output_token_logprobs"],
+                                                      want["meta_info"]["output_token_logprobs"], strict=True))
+        assert worst <= LP_TOL, worst
+        assert len(meta["weight_versions"]) == 1 and meta["weight_versions"][0]["end"] == LONG
+        assert meta["finish_reason"] == {"type": "length", "length": LONG}
+        print(f"sglang stream={stream}: pid {pid} SIGKILLed; {LONG} ids equal to bare SGLang's; "
+              f"max |logprob diff| {worst:.2e}; failed at token {meta['belayer']['failures'][0]['at_token']}")
