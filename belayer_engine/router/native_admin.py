@@ -3,8 +3,8 @@
 Served with SGLang 0.5.23's paths and bodies so that a trainer's calls to an SGLang server
 reach the engine unchanged. Weight updates become ONE engine-wide version through the
 supervisor (``control``: every slot, its shadow, and any later cold restart serve it; see
-``supervisor/weights.py``); a router over fixed workers has no supervisor and answers 501
-for them. Routes the engine cannot serve answer 501 naming why, never a silent 200.
+``supervisor/weights.py``); a router over fixed workers or a Ray engine has no such control
+and answers 501 for them. Routes the engine cannot serve answer 501 naming why, never a silent 200.
 """
 
 from __future__ import annotations
@@ -129,7 +129,9 @@ class NativeAdmin:
 
     async def _update(self, request: web.Request, fields: set[str], neutral: dict, tensors) -> web.Response:
         if self.control is None:
-            return _weights_answer(False, "this router serves fixed workers without a supervisor: update them directly", 501)
+            return _weights_answer(False, "this router has no engine-wide weight control: it serves fixed workers "
+                                   "(`belayer serve router`: update them directly) or a Ray engine "
+                                   "(RayEngine.update_weights)", 501)
         try:
             body = parse_json(await request.read())
             if not isinstance(body, dict):

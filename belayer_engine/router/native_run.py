@@ -90,14 +90,26 @@ class NativeRun:
             self.spans.append({"version": version, "start": self.spans[-1]["end"] if self.spans else 0, "end": end})
 
     def _stop_string_hit(self) -> bool:
+        """A stop string in the output that the workers did not end on (one straddling a
+        failover): the output is cut after the token that completed it, as SGLang cuts."""
         stops = self.item.sampling.stop
-        if not stops or (self.gen.finish or {}).get("type") == "stop":
+        gen = self.gen
+        if not stops or (gen.finish or {}).get("type") == "stop":
             return False
-        text = self.codec.decode(self.gen.generated)
+        text = self.codec.decode(gen.generated)
         found = [(text.find(s), s) for s in stops if s in text]
-        if found:
-            self._matched = min(found)[1]
-        return bool(found)
+        if not found:
+            return False
+        self._matched = min(found)[1]
+        keep = next(k for k in range(1, len(gen.generated) + 1)
+                    if self._matched in self.codec.decode(gen.generated[:k]))
+        del gen.generated[keep:]
+        del gen.logprobs[keep:]
+        del gen.top_logprobs[keep:]
+        for span in self.spans:
+            span["end"] = min(span["end"], keep)
+        self.spans = [s for s in self.spans if s["start"] < s["end"] or s["start"] == 0]
+        return True
 
     # ------------------------------------------------------------------ shape
 

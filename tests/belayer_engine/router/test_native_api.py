@@ -94,6 +94,14 @@ def test_stops_end_where_sglang_ends(engine):
     out = gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
                                                                 "stop_token_ids": [ref[3]]}})
     assert out["output_ids"] == ref[:4] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[3]}
+    ref = gen(engine, greedy(64))["output_ids"]
+    printable = [i for i, t in enumerate(ref) if 32 <= t < 127]  # a printable byte: a one-character stop
+    assert printable, f"no printable byte in the greedy answer {ref}"
+    at = printable[0]
+    out = gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 64, "temperature": 0,
+                                                                "stop": [chr(ref[at])]}})
+    assert out["output_ids"] == ref[: at + 1] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": chr(ref[at])}
+    assert chr(ref[at]) not in out["text"]  # trimmed, as SGLang trims unless no_stop_trim
     text = gen(engine, {"text": "Hello belay", "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     assert text["meta_info"]["prompt_tokens"] == len("Hello belay")
 
