@@ -242,6 +242,7 @@ fi
 bash "$ROOT/scripts/setup_skyrl.sh"         # test deps: skyrl-gym, then mini-swe-agent in its own venv
 bash "$ROOT/scripts/setup_minisweagent.sh"
 bash "$ROOT/scripts/setup_areal.sh"            # test dep: AReaL's SGLang client in its own venv
+bash "$ROOT/scripts/setup_trl.sh"              # test dep: TRL in its own venv (examples/trl_grpo/)
 
 step "Ready"
 command -v belayer >/dev/null && belayer doctor || true
