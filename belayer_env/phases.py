@@ -34,7 +34,7 @@ class Phase(StrEnum):
     RUNTIME_VERIFIED = "runtime_verified"
     STARTED = "started"
     VERIFIED = "verified"
-    # standby (checkpoint/standby.py): prepared and frozen; thawed during a rollback
+    # standby (restore/standby.py): prepared and frozen; thawed during a rollback
     STANDBY_FROZEN = "standby_frozen"
     STANDBY_THAWED = "standby_thawed"
 

@@ -7,7 +7,7 @@ fault placed uniformly: during an action (a random action, a random instant with
 fault-free duration, a random kind of kill), during a checkpoint (a random capture, a
 random instant within its fault-free duration, or a crash at a random phase), or during a
 restore (an action is killed to cause one, then the restore dies at a random phase).
-With ``standby=True`` the env keeps a standby (checkpoint/standby.py) and a fourth kind of
+With ``standby=True`` the env keeps a standby (``restore/standby.py``) and a fourth kind of
 fault hits it: while it is prepared (``standby_frozen``) or while a rollback thaws it
 (``standby_thawed``; an action is killed to cause that rollback). With ``spare=True``
 restores start in a container created ahead (``EnvConfig(restore_spare=True)``), restore

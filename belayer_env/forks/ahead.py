@@ -3,7 +3,7 @@
 ``fork(ck, n)`` verifies the checkpoint's CRIU images into a directory all forks link to
 (``verified_images``) and unpacks its layer as a shared lower layer (``shared_layer.lease``),
 then starts the forks; for the heavy benchmark sandbox that is 0.25-0.7 s of a pooled
-``fork(ck, 8)`` on 2 cores before the first start (docs/checkpoint.md, "Fork").
+``fork(ck, 8)`` on 2 cores before the first start (docs/fork.md).
 
 ``ForkAhead`` does both as soon as a checkpoint is published, on a thread (while the agent's
 LLM generates), and holds them until it is closed: the shared copy leased (``sweep`` keeps

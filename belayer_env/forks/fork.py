@@ -7,13 +7,13 @@ reaped (``belayer gc``) like any other sandbox. Forks run their restores side by
 
 Sharing (``share=True``, the default): the checkpoint's layer is unpacked and verified
 once, then shared read-only by every fork as its top overlay lower layer, each fork
-writing copy-on-write into an empty upperdir of its own (``checkpoint.shared_layer``:
+writing copy-on-write into an empty upperdir of its own (``store/shared_layer.py``:
 how, what differs, lifetime). Not shared, each fork unpacking its own copy as a plain
 restore does: ``share=False``, or a layer with hardlinked files. The CRIU images are
 verified once (hardlinked from the store onto Docker's disk and hashed, beside the layer's
 unpack) and hardlinked from there into every fork (read only).
 
-Order (docs/checkpoint.md, "Fork": where the time goes): the layer's unpack + verify and
+Order (docs/fork.md: where the time goes): the layer's unpack + verify and
 the images' verify start on threads, and the forks' containers (with their disk caps)
 are created meanwhile, side by side; each fork waits for both to be verified before it
 takes its name and starts. A fork's name is new (generated, or ``fresh_names``), so

@@ -1,6 +1,6 @@
 """``ForkPool``: fork containers created ahead, so that ``fork(ck, n)`` only starts them.
 
-Where the time of ``fork(ck, 8)`` went on the 2-core VM (docs/checkpoint.md, "Fork"):
+Where the time of ``fork(ck, 8)`` went on the 2-core VM (docs/fork.md):
 Docker's creates with their disk caps (mkfs + loop mount), ~0.4 s of CPU for eight, then
 the eight starts from the checkpoint. A pool creates those containers in the background
 (one at a time, while the agent's LLM generates) from the sandbox's exact image, settings
@@ -10,7 +10,7 @@ of a container made the same way (anything else is created then, as without a po
 A pooled container is a sandbox like any other from its creation: named
 ``<fork name>-restoring-<id>``, labelled with its fork name and this process as owner (so
 ``belayer gc`` reaps it if this process dies), fenced and removed by ``close``. Its
-shared-lower label (``checkpoint.shared_layer``) names an alias, made only when a fork
+shared-lower label (``store/shared_layer.py``) names an alias, made only when a fork
 takes it: a symlink beside the checkpoint's shared copy that ``sweep`` counts as a use
 of the copy while a container carries the alias, and removes after. A pooled container
 serves only a shared fork (a fork with a copy of its own needs no shared-lower label).

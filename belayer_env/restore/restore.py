@@ -20,7 +20,7 @@ How the CRIU images reach CRIU (``images=``, default ``DEFAULT_IMAGES``, env
 only relative symlinks into the container's checkpoint directory, so Docker's start tars,
 hashes and stores a few hundred bytes in containerd's content store and containerd
 unpacks as little, instead of the whole memory dump twice (CRIU follows the links; see
-docs/checkpoint.md). ``"copied"`` moves the images themselves into that directory
+docs/restore.md). ``"copied"`` moves the images themselves into that directory
 (Docker's own way). Either way Docker, containerd and the shim own the restored
 container: ``docker ps``/``exec``/``stop``/``rm`` and a later checkpoint see an ordinary
 running container.
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 RUNNING_TIMEOUT_S = 30.0
 Images = Literal["linked", "copied"]
 DEFAULT_IMAGES: str = os.environ.get("BELAYER_RESTORE_IMAGES", "linked")
-"""Chosen by measurement (benchmarks/checkpoint_bench.py, docs/checkpoint.md)."""
+"""Chosen by measurement (benchmarks/checkpoint_bench.py, docs/restore.md)."""
 
 
 def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client: docker.DockerClient | None = None,

@@ -5,7 +5,7 @@ speed of that write is frozen time. On this project's VMs writing 53 MiB into a 
 tmpfs took 35-38 ms (one 4 KiB page allocated per 4 KiB written), into a tmpfs mounted
 with ``huge=within_size`` 9-15 ms (large folios, per write; small files still take 4 KiB
 each, where ``huge=always`` took 2 MiB per file): a heavy sandbox's memory dump went from
-45-50 ms to 18-27 ms of its frozen window (docs/checkpoint.md, "Scratch").
+45-50 ms to 18-27 ms of its frozen window (docs/capture.md).
 
 So the default scratch root (``/dev/shm/belayer-scratch``) becomes a tmpfs of its own with
 that option, mounted once per boot by the first store that finds it empty (root only,

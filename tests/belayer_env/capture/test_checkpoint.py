@@ -42,7 +42,7 @@ def test_roundtrip_keeps_files_processes_sockets_and_locks(make_sandbox, ck_stor
     assert sb.execute(FS_CHANGES)["returncode"] == 0
     start_counter(sb, heap_mib=20)
     start_server(sb, 8000)
-    start_server(sb, 8001, redirect=False)  # logs to its command's output file (see docs/checkpoint.md)
+    start_server(sb, 8001, redirect=False)  # logs to its command's output file (see docs/capture.md)
     sb.execute("setsid python3 /opt/t/locker.py /tmp/lk >/dev/null 2>&1 </dev/null &")
     wait_until(lambda: sb.execute("test -e /tmp/lk.held")["returncode"] == 0, 30, "locker holding /tmp/lk")
     sb.execute("setsid python3 /opt/t/tcp_pair.py /tmp/tcp >/dev/null 2>&1 </dev/null &")
