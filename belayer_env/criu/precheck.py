@@ -2,8 +2,10 @@
 
 A process traced by another one (a debugger, ``strace -p``, a child that called
 ``PTRACE_TRACEME``) cannot be seized by CRIU: a task has one tracer at a time. CRIU then
-retries for its whole seize timeout (10 s) with the sandbox frozen and fails anyway. Such a
-dump is refused at once instead, with the reason in one line.
+retries for its whole seize timeout (10 s) with the sandbox frozen and fails anyway. A
+stopped process (SIGSTOP, job control) is worse: seizing it wakes it to re-trap, which it
+cannot do in a frozen cgroup, and CRIU waits in ``ptrace_attach`` until the dump's timeout
+(60 s) kills it. Such dumps are refused at once instead, with the reason in one line.
 
 A tmpfs of the sandbox (``/dev/shm``, ...) holding a path past PATH_MAX is dumped, but
 CRIU's restore unpacks it with GNU tar, which cannot make such a path: the checkpoint would
@@ -41,7 +43,7 @@ def _in_container(status: dict[str, str], host_pid: int) -> str:
 
 def traced_task(procs: Path) -> str | None:
     """Why CRIU cannot dump the processes listed in ``procs`` (a cgroup's ``cgroup.procs``)
-    because one of their threads is traced, in one line; None when none is."""
+    because one of their threads is traced or stopped, in one line; None when none is."""
     try:
         pids = [int(p) for p in procs.read_text().split()]
     except (OSError, ValueError):
@@ -54,6 +56,10 @@ def traced_task(procs: Path) -> str | None:
         for task in tasks:
             st = _status(task)
             tracer = int(st.get("TracerPid", "0") or 0)
+            if st.get("State", "").startswith("T") and not tracer:
+                return (f"process {_in_container(st, pid)} ({st.get('Name', '?')}) is stopped (SIGSTOP or job "
+                        "control): CRIU cannot seize a stopped process in a frozen cgroup (the dump would hang "
+                        "until its timeout); continue it (kill -CONT) or end it")
             if tracer:
                 tst = _status(Path(f"/proc/{tracer}"))
                 return (f"process {_in_container(st, pid)} ({st.get('Name', '?')}) is traced by process "

@@ -14,6 +14,7 @@ from belayer_env.env.policy import AdaptivePolicy
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox.fence import fence
 from belayer_env.sandbox.treehash import tree_hash
+from tests.conftest import wait_until
 
 # a background process holding a deleted temp file of SIZE bytes (whole MiB of data); the
 # command returns once it is in place, its pid in /tmp/holder.pid
@@ -104,6 +105,20 @@ def test_a_deleted_temp_file_larger_than_criu_default_is_checkpointed(make_sandb
         assert restored.execute(HELD_SIZE)["output"].strip() == str(5 << 20)  # same process, same file
     finally:
         fence(docker_client, restored.name, background=False)
+
+
+def test_a_stopped_process_is_refused_before_any_freeze(make_sandbox, ck_store):
+    """Seizing a stopped task wakes it to re-trap, which it cannot do frozen: CRIU would wait
+    in ptrace_attach until the dump's timeout. Refused at once instead, in one line."""
+    sb = make_sandbox()
+    assert sb.execute("setsid sh -c 'kill -STOP $$; exec sleep 1000' >/dev/null 2>&1 </dev/null &")["returncode"] == 0
+    wait_until(lambda: "T (stopped)" in sb.execute("grep -h '^State:' /proc/[0-9]*/status")["output"], 30,
+               "the process stopped")
+    phases = []
+    with pytest.raises(CheckpointFailed, match="is stopped") as err:
+        full_checkpoint(sb, ck_store, 1, phase_hook=phases.append)
+    assert phases == [] and "CRIU cannot seize a stopped process" in err.value.reason
+    assert sb.execute("echo alive")["output"] == "alive\n"
 
 
 def test_a_traced_stopped_process_is_refused_before_any_freeze(make_sandbox, ck_store):

@@ -112,7 +112,7 @@ def test_an_orphaned_helper_never_waits_on_a_reused_pid(make_sandbox, tmp_path):
                    f"the dump's helpers gone although pid {criu} is alive again (a new process)")
         wait_until(lambda: not freezer.is_frozen(sb.container_id), 30, "the container thawed")
     finally:
-        for pid in [runc, *stopped]:
+        for pid in [runc, criu, *stopped]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         if reuse is not None:
