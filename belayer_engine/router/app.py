@@ -85,6 +85,8 @@ class Router:
         app.router.add_post("/generate", native.generate)
         app.router.add_put("/generate", native.generate)
         app.router.add_post("/abort_request", native.abort_request)
+        app.router.add_post("/pause_generation", native.pause_generation)
+        app.router.add_post("/continue_generation", native.continue_generation)
         app.add_routes(admin.routes())
         app.router.add_get("/health", self._health)
         app.router.add_get("/belayer/workers", self._workers)

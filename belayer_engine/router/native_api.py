@@ -43,12 +43,21 @@ class NativeHandlers:
         self.continuation = continuation
         self.codec = codec
         self.running: dict[str, NativeRun] = {}
+        self.resumed = asyncio.Event()  # cleared by /pause_generation, set by /continue_generation
+        self.resumed.set()
+        self.held = 0  # requests waiting for /continue_generation
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = parse_native(parse_json(await request.read()), self.codec.encode)
         except UsageError as exc:
             return native_error(400, str(exc))
+        if not self.resumed.is_set():  # SGLang holds new requests while generation is paused
+            self.held += 1
+            try:
+                await self.resumed.wait()
+            finally:
+                self.held -= 1
         busy = sorted({i.rid for i in req.items if i.rid in self.running})
         if busy:
             return native_error(400, f"rid {busy}: a request with this id is already running")
@@ -142,6 +151,38 @@ class NativeHandlers:
             if abort_all or (rid and key == rid):
                 run.aborted.set()
         return web.Response(status=200)
+
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """SGLang's ``{"mode": "abort" | "retract" | "in_place"}`` (default abort): new
+        requests wait for ``/continue_generation``; ``abort`` also ends the running ones with
+        an ``abort`` finish and their output (AReaL re-sends the rest after continuing).
+        ``retract`` / ``in_place`` let running ones go on: a weight update reaches them
+        between two steps anyway (``weight_versions`` shows where)."""
+        try:
+            body = parse_json(await request.read() or b"{}")
+            if not isinstance(body, dict) or set(body) - {"mode", "rid", "http_worker_ipc"}:
+                raise UsageError("body: {'mode': 'abort' | 'retract' | 'in_place'}")
+            mode = body.get("mode", "abort")
+            if mode not in ("abort", "retract", "in_place"):
+                raise UsageError(f"mode: 'abort', 'retract' or 'in_place', got {mode!r}")
+        except UsageError as exc:
+            return native_error(400, str(exc))
+        self.resumed.clear()
+        if mode == "abort":
+            for run in list(self.running.values()):
+                run.aborted.set()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        try:  # torch_empty_cache: nothing to return to a driver in this process
+            body = parse_json(await request.read() or b"{}")
+            if not isinstance(body, dict) or set(body) - {"torch_empty_cache", "rid", "http_worker_ipc"}:
+                raise UsageError("body: {} or {'torch_empty_cache': bool}")
+        except UsageError as exc:
+            return native_error(400, str(exc))
+        self.resumed.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 def _sent(payload: dict) -> dict:

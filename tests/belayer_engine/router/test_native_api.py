@@ -142,7 +142,25 @@ def test_abort_request_ends_the_generation_with_what_it_has(engine):
     assert call(base(engine), "POST", "/abort_request", {"rid": 3}, AUTH)[0] == 400
 
 
-def _abort_after(engine, body):
+def test_pause_and_continue_generation_as_areal_uses_them(engine):
+    """AReaL pauses (``{}``: mode abort) around a weight update and continues after it."""
+    import threading
+
+    from tests.belayer_engine.conftest import poll
+
+    status, out, _ = _abort_after(engine, greedy(LONG, rid="paused"), path="/pause_generation", control_body={})
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
+    held: dict = {}
+    t = threading.Thread(target=lambda: held.update(out=generate(base(engine), greedy(4), AUTH)), daemon=True)
+    t.start()
+    poll(lambda: engine.router.native.held == 1, 60, "the new request to wait for /continue_generation")
+    assert call(base(engine), "POST", "/continue_generation", {}, AUTH)[0] == 200
+    t.join(120)
+    assert held["out"][0] == 200 and len(held["out"][1]["output_ids"]) == 4
+    assert call(base(engine), "POST", "/pause_generation", {"mode": "later"}, AUTH)[0] == 400
+
+
+def _abort_after(engine, body, path="/abort_request", **kw):
     import threading
 
     from tests.belayer_engine.conftest import poll
@@ -153,7 +171,7 @@ def _abort_after(engine, body):
     t = threading.Thread(target=lambda: result.update(out=generate(base(engine), body, AUTH)), daemon=True)
     t.start()
     poll(lambda: generated_so_far(engine, body["rid"]) >= KILL_AT, 120, "tokens to abort", interval=0.005)
-    assert call(base(engine), "POST", "/abort_request", {"rid": body["rid"]}, AUTH)[0] == 200
+    assert call(base(engine), "POST", path, kw.get("control_body", {"rid": body["rid"]}), AUTH)[0] == 200
     t.join(120)
     return (*result["out"], None)
 
