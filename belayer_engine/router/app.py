@@ -76,7 +76,8 @@ class Router:
         continuation = Continuation(self.table, self._session, cfg)
         handlers = OpenAIHandlers(continuation, self.codec, cfg.model_name, cfg.default_max_tokens)
         native = self.native = NativeHandlers(continuation, self.codec)
-        admin = NativeAdmin(self.table, self._session, continuation, cfg.model_name, cfg.tokenizer, self.control)
+        admin = NativeAdmin(self.table, self._session, continuation, cfg.model_name, cfg.tokenizer, self.control,
+                            native)
         app = web.Application(middlewares=[_json_errors, self._auth])
         app.router.add_post("/v1/chat/completions", handlers.chat)
         app.router.add_post("/v1/completions", handlers.completions)

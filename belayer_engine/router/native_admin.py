@@ -24,22 +24,23 @@ from .requests import parse_json
 
 # update_weights_from_disk fields that change nothing here, and those accepted only neutral
 _DISK_IGNORED = {"flush_cache", "torch_empty_cache", "token_step", "recapture_cuda_graph"}
-_DISK_NEUTRAL = {"load_format": (None, "auto", "safetensors"), "abort_all_requests": (False,), "is_async": (False,),
+_DISK_NEUTRAL = {"load_format": (None, "auto", "safetensors"), "abort_all_requests": (False, True), "is_async": (False,),
                  "keep_pause": (False,), "manifest": (None,)}
-_TENSOR_NEUTRAL = {"load_format": (None,), "abort_all_requests": (False,), "selector": ("all", "target")}
+_TENSOR_NEUTRAL = {"load_format": (None,), "abort_all_requests": (False, True), "selector": ("all", "target")}
 
 
 class NativeAdmin:
     """The non-generating SGLang routes; ``control`` is the supervisor (or None)."""
 
     def __init__(self, table: RoutingTable, session: aiohttp.ClientSession, continuation: Continuation,
-                 model_name: str, model_path: str | None, control=None) -> None:
+                 model_name: str, model_path: str | None, control=None, native=None) -> None:
         self.table = table
         self.session = session
         self.continuation = continuation
         self.model_name = model_name
         self.model_path = model_path
         self.control = control
+        self.native = native  # NativeHandlers: abort_all_requests ends its running generations
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -144,6 +145,9 @@ class NativeAdmin:
                     raise UsageError(f"{key}: not supported by this engine (only {ok!r} accepted)")
             version = _parse_version(body.get("weight_version"))
             state = await tensors(body)
+            if body.get("abort_all_requests") is True and self.native is not None:  # AReaL sends it
+                for run in list(self.native.running.values()):
+                    run.aborted.set()
             applied = await asyncio.shield(self.control.update_weights(state, version=version))
         except BelayerError as exc:
             status = 409 if isinstance(exc, StaleWeightVersion) else failure_status(exc)

@@ -232,6 +232,9 @@ def test_update_weights_from_disk_is_one_engine_wide_version(engine, tmp_path):
     after = gen(engine, greedy(12))
     assert after["meta_info"]["weight_version"] == "7" and after["output_ids"] != before["output_ids"]
     assert engine.call(engine.supervisor._arena_version(engine.supervisor.slots[0])) == 7
+    status, out = call(base(engine), "POST", "/update_weights_from_disk",  # AReaL's body, as it sends it
+                       {"model_path": str(tmp_path), "abort_all_requests": True}, AUTH)
+    assert status == 200 and out["success"] and "8" in out["message"], out
     status, out = call(base(engine), "POST", "/update_weights_from_disk",
                        {"model_path": str(tmp_path), "weight_version": "3"}, AUTH)
     assert status == 409 and not out["success"], out  # not newer than 7
@@ -266,13 +269,13 @@ def test_update_weights_from_tensor_takes_tensor_handles_only(engine):
     try:
         head = torch.randn(layout[name], generator=torch.Generator().manual_seed(11))
         status, out = call(base(engine), "POST", "/update_weights_from_tensor",
-                           {"serialized_named_tensors": [_pickled([(name, head)])], "weight_version": "9",
+                           {"serialized_named_tensors": [_pickled([(name, head)])], "weight_version": "19",
                             "flush_cache": True}, AUTH)
     finally:
         mp.set_sharing_strategy(old)
     assert status == 200 and out["success"], out
     after = gen(engine, greedy(12))
-    assert after["meta_info"]["weight_version"] == "9" and after["output_ids"] != before["output_ids"]
+    assert after["meta_info"]["weight_version"] == "19" and after["output_ids"] != before["output_ids"]
     status, out = call(base(engine), "POST", "/update_weights_from_tensor",
                        {"serialized_named_tensors": [_pickled(_RunsCode())]}, AUTH)
     assert status == 400 and "system" in out["message"] and not out["success"], out  # never run
