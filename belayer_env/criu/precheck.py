@@ -62,6 +62,8 @@ def traced_task(procs: Path) -> str | None:
                         "until its timeout); continue it (kill -CONT) or end it")
             if tracer:
                 tst = _status(Path(f"/proc/{tracer}"))
+                if tst.get("Name") == "criu":  # an earlier dump still letting go: this one's CRIU waits for it
+                    return None
                 return (f"process {_in_container(st, pid)} ({st.get('Name', '?')}) is traced by process "
                         f"{_in_container(tst, tracer)} ({tst.get('Name', '?')}): CRIU cannot checkpoint a "
                         "traced process (a debugger or strace attached); detach or end it")
