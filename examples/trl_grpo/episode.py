@@ -72,7 +72,7 @@ class Sample:
     rolled_back_turns: int = 0  # turns cut by a rollback and regenerated
     worker_kills: int = 0
     worker_recoveries: int = 0  # generations continued on the shadow (any worker death, ours or not)
-    killed_generation_recovered: int = 0  # of our worker kills: generations that came back whole
+    killed_generation_recovered: int = 0  # of our worker kills: the generation it hit was continued
     failed: str | None = None
     seconds: float = 0.0
 
@@ -84,8 +84,9 @@ class Plan:
         self.kill_container_at, self.kill_worker_at = kill_container_at, kill_worker_at
 
 
-def generate(root: str, input_ids: list[int], cfg: EpisodeConfig, on_first_chunk=None) -> dict:
-    """One streamed native ``/generate``; returns the final chunk (output ids, meta_info)."""
+def generate(root: str, input_ids: list[int], cfg: EpisodeConfig, on_chunk=None) -> dict:
+    """One streamed native ``/generate``; returns the final chunk (output ids, meta_info).
+    ``on_chunk(chunk)`` sees each chunk until it returns True."""
     body = {"input_ids": input_ids, "stream": True, "return_logprob": True,
             "sampling_params": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}}
     last = None
@@ -99,9 +100,8 @@ def generate(root: str, input_ids: list[int], cfg: EpisodeConfig, on_first_chunk
             if data == b"[DONE]":
                 break
             last = json.loads(data)
-            if on_first_chunk is not None:
-                on_first_chunk()
-                on_first_chunk = None
+            if on_chunk is not None and on_chunk(last):
+                on_chunk = None
     if last is None or not (last.get("meta_info") or {}).get("finish_reason"):
         raise BelayerError("/generate stream ended without a finished generation")
     return last
@@ -163,24 +163,28 @@ def run_episode(task: Task, engine, codec, cfg: EpisodeConfig, plan: Plan) -> Sa
                 env.settle(timeout=120)  # the newest boundary's checkpoint written (or given up)
                 injector.fire("kill")  # the container dies while the model writes turn n
                 sample.container_kills += 1
-            kill = None
-            if plan.kill_worker_at == n and "worker" not in fired:
-                fired.add("worker")
+            kill, killed = None, []
+            if plan.kill_worker_at is not None and n >= plan.kill_worker_at and "worker" not in fired:
                 with contextlib.suppress(BelayerError):  # a kill only onto a shadow armed and ready
                     engine.wait_ready(timeout=180, stable=True)
 
-                def kill():
+                def kill(chunk: dict, killed: list = killed) -> bool:
+                    if (chunk.get("meta_info") or {}).get("finish_reason"):
+                        return True  # finished in one chunk: no kill now, try the next turn
                     if kill_serving_worker(engine) is not None:
-                        sample.worker_kills += 1
+                        killed.append(True)
+                    return True
             context = sample.prompt_ids + [i for t in turns for i in t.model_ids + t.env_ids]
-            out = generate(root, context, cfg, on_first_chunk=kill)
+            out = generate(root, context, cfg, on_chunk=kill)
             meta = out["meta_info"]
             belayer = meta.get("belayer") or {}
             sample.versions += [int(s["version"]) for s in meta.get("weight_versions") or []]
             recovered = int(belayer.get("recoveries") or 0)
             sample.worker_recoveries += recovered
-            if kill is not None and sample.worker_kills and recovered:
-                sample.killed_generation_recovered += 1
+            if killed:
+                fired.add("worker")
+                sample.worker_kills += 1
+                sample.killed_generation_recovered += int(recovered > 0)
             ids = list(out["output_ids"])
             lps = [float(x[0]) for x in meta["output_token_logprobs"]]
             if len(lps) != len(ids):

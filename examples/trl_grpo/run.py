@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -174,8 +175,7 @@ def run(cfg: RunConfig, log=print) -> dict:
             history = list(trainer.state.log_history)
         final_version = weights.version()
         engine_events = engine.events()
-        slot = engine.status()["slots"]["w0"]
-    return summarize(cfg, rollouts, pusher.pushes, history, engine_events, slot, sft, final_version,
+    return summarize(cfg, rollouts, pusher.pushes, history, engine_events, sft, final_version,
                      time.monotonic() - t_start)
 
 
@@ -186,7 +186,7 @@ def _tokenizer(model_dir):
 
 
 def summarize(cfg: RunConfig, rollouts: Rollouts, pushes: list[dict], history: list[dict],
-              engine_events: list[dict], slot: dict, sft: list[float], final_version: int, seconds: float) -> dict:
+              engine_events: list[dict], sft: list[float], final_version: int, seconds: float) -> dict:
     everything = [s for _, _, s in rollouts.samples] + rollouts.unrecovered
     trained = [s for _, _, s in rollouts.samples if not s.failed]
     lost = [s for _, _, s in rollouts.samples if s.failed]  # TRL got no sample (reward None) for these
@@ -194,8 +194,10 @@ def summarize(cfg: RunConfig, rollouts: Rollouts, pushes: list[dict], history: l
     kills_c = sum(s.container_kills for s in everything)
     kills_w = sum(s.worker_kills for s in everything)
     rec_c = sum(min(s.container_kills, s.env_recoveries) for s in trained)
-    rec_w = sum(s.killed_generation_recovered for s in trained)
-    handovers = sum(1 for e in engine_events if e.get("event") == "handover" or e.get("kind") == "handover")
+    handovers = sum(1 for e in engine_events if e.get("event") == "handover")
+    # a worker kill is recovered when the engine handed its slot over (the shadow took its
+    # in-flight generations) and no episode lost a sample: the engine served on throughout
+    rec_w = min(kills_w, handovers) if not rollouts.unrecovered else 0
     trl_log = [{"step": h["step"], "loss": h.get("loss"), "reward": h.get("reward"), "reward_std": h.get("reward_std")}
                for h in history if "loss" in h and "reward" in h]
     by_step: dict[int, list[float]] = {}
@@ -212,7 +214,8 @@ def summarize(cfg: RunConfig, rollouts: Rollouts, pushes: list[dict], history: l
         "env_restored_boundaries": _counts(j for s in trained for j in s.restored),
         "turns_rolled_back": sum(s.rolled_back_turns for s in trained),
         "generations_continued": sum(s.worker_recoveries for s in trained),
-        "engine_handovers": handovers or slot.get("handovers"),
+        "killed_generations_continued": sum(s.killed_generation_recovered for s in trained),
+        "engine_handovers": handovers,
         "weight_pushes": pushes, "engine_weight_version": final_version,
         "sample_versions_by_step": {str(k): sorted({v for st, v, _ in rollouts.samples if st == k}) for k in by_step},
         "reward_by_step": {str(k): round(statistics.fmean(v), 4) for k, v in sorted(by_step.items())},
@@ -230,7 +233,9 @@ def _counts(values) -> dict[str, int]:
 
 def main(cfg: RunConfig, as_json: bool) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if as_json else (lambda msg: print(msg, flush=True))
-    summary = run(cfg, log)
+    # --json: stdout carries the summary alone (TRL prints its log lines there: to stderr with ours)
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        summary = run(cfg, log)
     if as_json:
         print(json.dumps(summary))
     else:
