@@ -26,8 +26,8 @@ from .requests import parse_json
 
 
 def native_error(status: int, message: str) -> web.Response:
-    """SGLang's error body (``{"error": {"message"}}``), plus the status as ``code``."""
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    """SGLang's error body: ``{"error": {"message"}}``."""
+    return web.json_response({"error": {"message": message}}, status=status)
 
 
 def failure_status(exc: BelayerError) -> int:

@@ -170,6 +170,16 @@ def _stream_then_abort(base: str, rid: str) -> dict:
         conn.close()
 
 
+@pytest.mark.parametrize("sampling", [{"top_p": 5}, {"temperature": -1}, {"max_new_tokens": 1, "top_k": 0}])
+def test_a_bad_value_is_refused_like_sglang_refuses_it(servers, sampling):
+    url, eng = servers
+    body = {"input_ids": PROMPT, "sampling_params": sampling}
+    theirs, ours = generate(url, body), generate(eng.base_url.removesuffix("/v1"), body)
+    assert theirs[0] == ours[0] == 400, (theirs, ours)
+    _same_shape(ours[1], theirs[1], "error")
+    print(f"{sampling}: 400 {{'error': {{'message'}}}} from both; ours: {ours[1]['error']['message']}")
+
+
 def test_abort_request_answers_like_sglang(servers):
     url, eng = servers
     theirs = _stream_then_abort(url, "abort-theirs")
