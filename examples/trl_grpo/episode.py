@@ -18,10 +18,10 @@ router continues the generation on the shadow; this episode sees one generation)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -107,14 +107,34 @@ def generate(root: str, input_ids: list[int], cfg: EpisodeConfig, on_chunk=None)
     return last
 
 
+_KILL_LOCK = threading.Lock()  # one worker kill at a time, each onto a stable engine
+
+
 def kill_serving_worker(engine) -> int | None:
-    """SIGKILL the serving worker of slot w0 (its pid from the supervisor); returns the pid."""
-    slot = engine.status()["slots"]["w0"]
-    pid = slot.get("worker_pid")
-    if not (slot.get("routed") and pid):
-        return None
-    os.kill(int(pid), signal.SIGKILL)
-    return int(pid)
+    """SIGKILL the serving worker of slot w0 (its pid from the supervisor) if the engine is
+    stable right now; returns the pid (None: no kill)."""
+    with _KILL_LOCK:
+        if not _stable(engine, timeout=0.5):
+            return None
+        slot = engine.status()["slots"]["w0"]
+        pid = slot.get("worker_pid")
+        if not (slot.get("routed") and pid):
+            return None
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return int(pid)
+
+
+def _stable(engine, timeout: float = 180.0) -> bool:
+    """The engine serves with a shadow armed, its last handover outside the supervisor's
+    unhealthy window (a kill sooner would rightly exclude the device)."""
+    try:
+        engine.wait_ready(timeout=timeout, stable=True)
+    except BelayerError:
+        return False
+    return True
 
 
 def make_env(task: Task, cfg: EpisodeConfig) -> RecoverableSandboxEnv:
@@ -164,16 +184,16 @@ def run_episode(task: Task, engine, codec, cfg: EpisodeConfig, plan: Plan) -> Sa
                 injector.fire("kill")  # the container dies while the model writes turn n
                 sample.container_kills += 1
             kill, killed = None, []
-            if plan.kill_worker_at is not None and n >= plan.kill_worker_at and "worker" not in fired:
-                with contextlib.suppress(BelayerError):  # a kill only onto a shadow armed and ready
-                    engine.wait_ready(timeout=180, stable=True)
+            if plan.kill_worker_at is not None and n >= plan.kill_worker_at and "worker" not in fired \
+                    and _stable(engine):  # a kill only onto a shadow armed and ready, else none
 
                 def kill(chunk: dict, killed: list = killed) -> bool:
                     if (chunk.get("meta_info") or {}).get("finish_reason"):
                         return True  # finished in one chunk: no kill now, try the next turn
                     if kill_serving_worker(engine) is not None:
                         killed.append(True)
-                    return True
+                        return True
+                    return False  # not stable this instant (another kill's handover): the next chunk
             context = sample.prompt_ids + [i for t in turns for i in t.model_ids + t.env_ids]
             out = generate(root, context, cfg, on_chunk=kill)
             meta = out["meta_info"]
