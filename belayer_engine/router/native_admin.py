@@ -10,6 +10,8 @@ and answers 501 for them. Routes the engine cannot serve answer 501 naming why, 
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -26,6 +28,7 @@ from .requests import parse_json
 _DISK_IGNORED = {"flush_cache", "torch_empty_cache", "token_step", "recapture_cuda_graph"}
 _DISK_NEUTRAL = {"load_format": (None, "auto", "safetensors"), "abort_all_requests": (False, True), "is_async": (False,),
                  "keep_pause": (False,), "manifest": (None,)}
+_LOAD_SECTIONS = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
 _TENSOR_NEUTRAL = {"load_format": (None,), "abort_all_requests": (False, True), "selector": ("all", "target")}
 
 
@@ -50,6 +53,7 @@ class NativeAdmin:
             web.post("/flush_cache", self.flush_cache), web.get("/flush_cache", self.flush_cache),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
             web.post("/update_weights_from_tensor", self.update_weights_from_tensor),
+            web.get("/v1/loads", self.loads),
             web.post("/release_memory_occupation", self.memory_occupation),
             web.post("/resume_memory_occupation", self.memory_occupation),
         ]
@@ -88,6 +92,25 @@ class NativeAdmin:
             "internal_states": [{"slot": e.slot, "pid": e.pid, "device": e.device, "inflight": e.inflight}
                                 for e in live],
             "workers": self.table.snapshot()})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's ``GET /v1/loads`` (``include``, ``dp_rank``; JSON): the engine is one DP
+        rank; ``core`` holds what the router knows (requests running on live workers, requests
+        held by ``/pause_generation``), no other section. slime polls it after an abort."""
+        query = request.rel_url.query
+        include = {s.strip() for s in query.get("include", "").split(",") if s.strip()}
+        if include - _LOAD_SECTIONS:
+            return native_error(400, f"Invalid include sections: {sorted(include - _LOAD_SECTIONS)}. "
+                                     f"Valid options: {sorted(_LOAD_SECTIONS)}")
+        if query.get("format", "json") != "json":
+            return native_error(400, "format: only json is served (no prometheus text on the engine)")
+        live = [e for e in self.table.endpoints() if not e.lost]
+        load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": sum(e.inflight for e in live),
+                "num_waiting_reqs": self.native.held if self.native is not None else 0}
+        wanted = query.get("dp_rank")
+        return web.json_response({
+            "timestamp": datetime.now(UTC).isoformat(), "version": "belayer-engine", "accelerator": None,
+            "num_accelerators": len(live), "loads": [load] if wanted in (None, "0") else []})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """Forwarded to every live worker; 400 when one refuses (requests in flight)."""

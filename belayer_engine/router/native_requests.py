@@ -49,7 +49,8 @@ UNSUPPORTED_SAMPLING: dict[str, tuple] = {
     "repetition_penalty": (None, 1, 1.0), "min_new_tokens": (None, 0), "json_schema": (None,),
     "regex": (None,), "ebnf": (None,), "structural_tag": (None,), "stop_regex": (None, []),
     "logit_bias": (None, {}), "custom_params": (None,), "beam_width": (None, 1),
-    "spaces_between_special_tokens": (None, True), "stream_interval": (None,), "watermark": (None,),
+    # False is slime's: SGLang's fast tokenizers put no spaces between special tokens either way
+    "spaces_between_special_tokens": (None, True, False), "stream_interval": (None,), "watermark": (None,),
 }
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
