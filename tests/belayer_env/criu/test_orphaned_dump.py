@@ -97,8 +97,9 @@ def test_an_orphaned_helper_never_waits_on_a_reused_pid(make_sandbox, tmp_path):
     stopped: list[int] = []
     reuse = None
     try:
-        helpers_of = lambda: [p for p in session_members(runc) if p not in (runc, criu)]  # noqa: E731
-        wait_until(lambda: not _children(criu) and helpers_of(), 30, "the orphan-thaw helper started")
+        # the dump's other processes, but CRIU's own children (an action script still exiting)
+        helpers_of = lambda: [p for p in session_members(runc) if p not in (runc, criu, *_children(criu))]  # noqa: E731
+        wait_until(helpers_of, 30, "the orphan-thaw helper started")
         stopped = helpers_of()
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
