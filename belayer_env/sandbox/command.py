@@ -18,7 +18,7 @@ MAX_COMMAND_BYTES = 2**20
 """Longest command ``execute`` takes (UTF-8 bytes). It travels on the exec's stdin, not in its
 argv, so the kernel's 128 KiB per-argument limit and containerd's message limit never apply."""
 CHUNK_BYTES = 2**20  # the in-sandbox keeper rotates chunk files of this size for the tail
-RESERVED_PIDS = 5
+RESERVED_PIDS = 6
 """Process slots the wrapper holds (idle subshells) while the command runs and frees when it
 ends: a command whose background jobs take every other slot of the sandbox's pids limit still
 gets its report (a few forks), and the next exec still starts (runc's ``init`` needs 6 or 7
@@ -26,8 +26,9 @@ slots for its threads, else "OCI runtime exec failed")."""
 WRAPPER_PIDS = RESERVED_PIDS + 5
 """Process slots the wrapper needs beside its own (the reserve, keeper, its ``head``, ``timeout``,
 the login shell, what its profile forks). With fewer free under the sandbox's pids limit (its
-own processes hold the rest), the command runs *direct*: the exec becomes the command's
-``timeout``, one fork in all, so the agent can still run ``pkill`` or ``kill`` there."""
+own processes hold the rest), the command runs *direct* (``timeout`` and ``bash -c``, output
+straight to the exec, a reserve of all but one spare slot), so the agent can still run
+``pkill`` or ``kill`` there, and the slots come free again for the exec after it."""
 
 # Runs every command. The command arrives on stdin and is saved to a file; it runs with its
 # output (stdout and stderr merged) on a FIFO, never on the exec pipe. A keeper (``drain``)
@@ -43,23 +44,38 @@ own processes hold the rest), the command runs *direct*: the exec becomes the co
 # the head and the tail to the exec pipe and "belayer-meta RC TOTAL SENT" to stderr, and exits 0.
 # So the host knows a complete result (exit 0, a report, SENT bytes received) from one the
 # transport cut (SandboxLost) and from a wrapper the command killed (its signal exit code).
-# Under the pids limit: with fewer than R slots free (read with builtins, no fork), it says
-# "belayer-direct MAX CURRENT" and execs ``timeout`` on the command (no login profile, output
-# straight to the exec: the exec's exit code is the command's). Otherwise RS reserve processes
-# hold slots while the command runs and are ended before the report, whose few forks then fit
-# even when the command's background jobs took every other slot.
+# Under the pids limit: with fewer than R slots free beside its own (F of M, from the host; or
+# read with builtins, no fork), it says "belayer-direct MAX IN-USE" and runs the command *direct*:
+# ``timeout`` and ``bash -c`` (no login profile), output straight to the exec, the exec's exit
+# code the command's; it holds all but 3 of those slots (at most RS) in reserve meanwhile, or
+# with 3 or fewer execs ``timeout`` itself. Otherwise RS reserve processes hold slots while the
+# command runs. Either way the reserve ends before the report, whose few forks then fit, and
+# its slots are free for the next exec, even when the command's background jobs took the rest.
 EXEC_WRAPPER = r"""
-T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6 CWD=$7 R=$8 RS=$9
-m=; c=
-for g in /sys/fs/cgroup/pids /sys/fs/cgroup; do
-  { read -r m <"$g/pids.max" && read -r c <"$g/pids.current"; } 2>/dev/null && break
-done
-if [ -n "$c" ] && [ -n "$m" ] && [ "$m" != max ] && [ $((m - c)) -lt "$R" ]; then
+T=$1 H=$2 TL=$3 ID=$4 K=$5 C=$6 CWD=$7 R=$8 RS=$9 F=${10} M=${11}
+if [ "$F" = - ]; then  # the host could not tell: ask the cgroup (with builtins: no fork)
+  for g in /sys/fs/cgroup/pids /sys/fs/cgroup; do
+    { read -r M <"$g/pids.max" && read -r c <"$g/pids.current"; } 2>/dev/null && break
+  done
+  [ -n "$c" ] && [ -n "$M" ] && [ "$M" != max ] && F=$((M - c))
+fi
+if [ "$F" != - ] && [ "$F" -lt "$R" ]; then
   IFS= read -r -d '' cmd
-  echo "belayer-direct $m $c" >&2
+  echo "belayer-direct $M $((M - F))" >&2
   exec 2>&1 </dev/null
   cd -- "$CWD" || exit 1
-  exec timeout -k "$K" "$T" bash -c "$cmd"
+  n=$((F - 3)); [ "$n" -gt "$RS" ] && n=$RS  # a reserve, if the command keeps a fork or two
+  w=/run/belayer/c.$ID
+  if [ "$n" -le 0 ] || ! { mkdir -m 700 "$w" && mkfifo -m 600 "$w/r"; } 2>/dev/null; then
+    exec timeout -k "$K" "$T" bash -c "$cmd"
+  fi
+  echo $$ >"$w/wpid"; exec 9<>"$w/r"
+  rs=(); for ((i = 0; i < n; i++)); do { read -r _ <"$w/r"; } >/dev/null 2>&1 9>&- & rs+=($!); done
+  timeout -k "$K" "$T" bash -c "$cmd" 9>&- &
+  pid=$!; wait "$pid"; rc=$?
+  { kill "${rs[@]}"; wait "${rs[@]}"; } 2>/dev/null; exec 9>&-
+  rm -rf "$w"
+  exit "$rc"
 fi
 d=/run/belayer; [ -d "$d" ] && [ -w "$d" ] || { d=/tmp/.belayer; mkdir -p -m 700 "$d"; }
 for o in "$d"/c.*; do

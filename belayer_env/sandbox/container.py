@@ -193,7 +193,7 @@ class DockerSandbox:
         # coreutils' timeout owns the command's process group, so a timeout kills all of it
         argv = ["bash", "-c", EXEC_WRAPPER, "belayer-exec", f"{limit:g}", str(head), str(tail),
                 uuid.uuid4().hex[:16], str(KILL_GRACE_S), str(max(tail, CHUNK_BYTES)), cwd or self.config.cwd,
-                str(WRAPPER_PIDS), str(RESERVED_PIDS)]
+                str(WRAPPER_PIDS), str(RESERVED_PIDS), *_pids_room(self.container_id)]
         what = f"exec in sandbox {self.name}"
         api = self.client.api
         collector = OutputCollector(max_out)
@@ -372,6 +372,12 @@ def _process_alive(pid: int) -> bool:
         return True
     stat = read_stat(pid)
     return stat is not None and stat.running
+
+
+def _pids_room(container_id: str) -> tuple[str, str]:
+    """(slots free beside the exec's own, the limit) for the wrapper; "-" when unknown here."""
+    now = limits.pids(container_id)
+    return ("-", "-") if now is None else (str(now[0] - now[1] - 1), str(now[0]))
 
 
 def _first_line(text: str) -> str:

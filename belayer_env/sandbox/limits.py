@@ -23,6 +23,7 @@ class Hits(NamedTuple):
 def _paths(container_id: str, controller: str, filename: str) -> tuple[str, ...]:
     cid = container_id
     return (f"/sys/fs/cgroup/{controller}/docker/{cid}/{filename}",  # v1, cgroupfs driver
+            f"/sys/fs/cgroup/{controller}/system.slice/docker-{cid}.scope/{filename}",  # v1, systemd driver
             f"/sys/fs/cgroup/system.slice/docker-{cid}.scope/{filename}",  # v2, systemd driver
             f"/sys/fs/cgroup/docker/{cid}/{filename}")  # v2, cgroupfs driver
 
@@ -48,15 +49,29 @@ def hits(container_id: str) -> Hits:
     return Hits(oom, counter(container_id, "pids", "pids.events", "max"))
 
 
-def pids_in_use(container_id: str) -> int | None:
-    """Processes (tasks) of the sandbox now; None when unreadable."""
-    for path in _paths(container_id, "pids", "pids.current"):
+def _value(container_id: str, controller: str, filename: str) -> str | None:
+    for path in _paths(container_id, controller, filename):
         try:
             with open(path) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
+                return f.read().strip()
+        except OSError:
             continue
     return None
+
+
+def pids_in_use(container_id: str) -> int | None:
+    """Processes (tasks) of the sandbox now; None when unreadable."""
+    value = _value(container_id, "pids", "pids.current")
+    return int(value) if value and value.isdigit() else None
+
+
+def pids(container_id: str) -> tuple[int, int] | None:
+    """(the pids limit, processes in use) now; None when unknown or unlimited. Read on the
+    host: inside a restored sandbox the cgroup files are not where they were."""
+    limit, used = _value(container_id, "pids", "pids.max"), pids_in_use(container_id)
+    if used is None or not limit or not limit.isdigit():
+        return None
+    return int(limit), used
 
 
 def notes(before: Hits, after: Hits, memory: str, pids_limit: int) -> str:

@@ -63,3 +63,23 @@ def test_a_process_killed_at_the_memory_limit_is_the_agents_observation(make_env
     obs, info = _agent_outcome(env, "echo still here")
     assert info["returncode"] == 0 and "still here" in obs
     assert _failures(env) == [], env.trajectory.events
+
+
+def test_a_dead_container_at_the_pids_limit_stays_infrastructure(make_env):
+    """The limit does not blur the line: the container killed after a full step is rolled back
+    (to the checkpoint taken at the limit), and the restored sandbox runs the agent's next action."""
+    from belayer_env.faults.inject import kill_container
+
+    env = make_env(pids_limit=64, checkpoint_policy="always")
+    env.reset()
+    _agent_outcome(env, FILL)
+    env.settle()
+    kill_container(env.client, env.sandbox.container_id)
+    obs, _r, _t, _tr, info = env.step("echo never shown")
+    assert info["belayer"]["rollback"] == {"to_step": 1, "reason": "SandboxLost"}, info
+    assert "Resource temporarily unavailable" in obs, obs  # boundary 1's observation again
+    obs, info = _agent_outcome(env, "pkill sleep")
+    assert info["returncode"] == 0, obs
+    obs, info = _agent_outcome(env, "echo clean")
+    assert info["returncode"] == 0 and "clean" in obs, obs
+    assert [e.kind for e in _failures(env)] == ["rollback"]

@@ -74,7 +74,11 @@ def _set_pids_limit(client, container_id: str, n: int) -> None:
 
 
 def test_a_checkpoint_near_the_pids_limit_is_taken_and_the_next_command_works(make_sandbox, ck_store):
+    """Taken, ready, the live sandbox's next command works; restored, the restored sandbox is as
+    full and its next command works too (its limit read on the host: inside a restored sandbox
+    the cgroup files are not where they were), and the agent can free the slots there."""
     from belayer_env.capture.checkpoint import full_checkpoint
+    from belayer_env.restore.restore import full_restore
 
     sb = make_sandbox(pids_limit=64)
     _fill(sb)
@@ -82,8 +86,11 @@ def test_a_checkpoint_near_the_pids_limit_is_taken_and_the_next_command_works(ma
     assert ck_store.get(ck.id).id == ck.id
     r = sb.execute("echo after the checkpoint")
     assert r["returncode"] == 0 and r["output"].startswith("after the checkpoint\n"), r
-    assert sb.execute("pkill sleep")["returncode"] == 0
-    assert sb.execute("echo ok")["output"].startswith("ok\n")
+    restored = full_restore(ck, client=sb.client)
+    r = restored.execute("pgrep -c sleep")
+    assert r["returncode"] == 0 and int(r["output"].split()[0]) > 40, r
+    assert restored.execute("pkill sleep")["returncode"] == 0
+    assert restored.execute("echo ok")["output"].startswith("ok\n")
 
 
 def test_a_process_killed_at_the_memory_limit_leaves_a_live_sandbox(docker_client):
