@@ -176,7 +176,7 @@ class CheckpointStore:
             for cdir in sdir.iterdir():
                 try:
                     out.append(self._load(cdir))
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, ConfigError):
                     continue  # not a checkpoint (never published that way); ignore
         return sorted(out, key=lambda c: (c.sandbox, c.step, c.created))
 
@@ -194,7 +194,7 @@ class CheckpointStore:
             raise CheckpointNotFound(f"no checkpoint {checkpoint_id!r} in {self.path}")
         try:
             return self._load(cdir)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, ConfigError) as e:
             raise CheckpointNotFound(f"checkpoint {checkpoint_id!r} refused: {e}") from e
 
     @staticmethod
