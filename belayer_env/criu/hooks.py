@@ -54,9 +54,9 @@ def stat(pid):
         head, _, tail = f.read().rpartition(")")
     return head.partition("(")[2], int(tail.split()[1])
 chain, fd = [script], None
-try:  # CRIU runs `sh -c SCRIPT`: walk up from the script to it, then hold it by a pidfd
+try:  # walk up from the script to CRIU (its parent, or an `sh -c` between), hold it by a pidfd
     while len(chain) < 5 and fd is None:
-        comm, parent = stat(chain[-1])
+        parent = stat(chain[-1])[1]
         chain.append(parent)
         if stat(parent)[0] == "criu":
             fd = os.pidfd_open(parent)
