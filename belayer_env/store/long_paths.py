@@ -237,16 +237,17 @@ def _make(tf: tarfile.TarFile, m: tarfile.TarInfo, fd: int, name: str, links: Tr
 def extract_long(archive: IO[bytes], dest: Path) -> int:
     """Make in ``dest`` the members of ``archive`` (a file or a stream, read once) whose name
     or hard-link target is long; the number made."""
-    dirs: dict[str, tarfile.TarInfo] = {}
-    made_dirs: list[str] = []
+    times: dict[str, tuple[int, int]] = {}  # every directory's (atime, mtime)
+    made_dirs: dict[str, tarfile.TarInfo] = {}
     parents: set[str] = set()
     made = 0
     with tarfile.open(fileobj=archive, mode="r|") as tf, Tree(dest) as tree, Tree(dest) as links:
         for m in tf:
+            tf.members = []  # read once, in order: keep no index of a layer's every member
             name = "/".join(_parts(m.name))
             target = "/".join(_parts(m.linkname)) if m.islnk() else ""
             if m.isdir():
-                dirs[name] = m
+                times[name] = _times(m)
             if not name or not (is_long("./" + name) or (target and is_long("./" + target))):
                 continue
             fd, base = tree.parent(name, create=True)
@@ -254,13 +255,14 @@ def extract_long(archive: IO[bytes], dest: Path) -> int:
                 made += 1
                 parents.add(name.rpartition("/")[0])
                 if m.isdir():
-                    made_dirs.append(name)
-        for name in sorted(set(made_dirs) | (parents & set(dirs)), key=len, reverse=True):
-            fd, base = tree.parent(name) if name else (None, ".")
-            if fd is None:
-                os.utime(dest, ns=_times(dirs[name]), follow_symlinks=False)
-            elif name in made_dirs:
-                _set_meta(fd, base, dirs[name])
+                    made_dirs[name] = m
+        for name in sorted(set(made_dirs) | (parents & set(times)), key=len, reverse=True):
+            if not name:
+                os.utime(dest, ns=times[name], follow_symlinks=False)
+                continue
+            fd, base = tree.parent(name)
+            if name in made_dirs:
+                _set_meta(fd, base, made_dirs[name])
             else:  # a short directory GNU tar made: its mtime, which our entries changed
-                os.utime(base, ns=_times(dirs[name]), dir_fd=fd, follow_symlinks=False)
+                os.utime(base, ns=times[name], dir_fd=fd, follow_symlinks=False)
     return made
