@@ -91,7 +91,8 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
             if runtime and (why := runtime_unavailable(sandbox)):
                 raise CheckpointFailed(f"runtime checkpoint unavailable: {why}; pass runtime=False for a file-system-only (degraded) checkpoint")
             info = _inspect(sandbox)
-            if runtime and (why := _undumpable(sandbox.container_id, int(info["State"].get("Pid") or 0))):
+            if runtime and (why := precheck.undumpable(freezer.control_file(sandbox.container_id),
+                                                      int(info["State"].get("Pid") or 0))):
                 raise _refused(why)  # e.g. CRIU would retry for 10 s with the sandbox frozen, then fail
             upper = layer.upper_dir(info)
             shared = shared_layer.of_container(info)  # a fork: its upperdir holds only its own writes
@@ -174,12 +175,6 @@ def full_checkpoint(sandbox: Sandbox, store: CheckpointStore, step: int | None =
     with contextlib.suppress(OSError, BelayerError):  # retention is best effort: ck is published
         store.prune(sandbox.name)
     return ck
-
-
-def _undumpable(container_id: str, init_pid: int) -> str | None:
-    control = freezer.control_file(container_id)
-    return ((precheck.traced_task(control.parent / "cgroup.procs") if control is not None else None)
-            or (precheck.long_tmpfs_path(init_pid) if init_pid else None))
 
 
 def _refused(why: str) -> CheckpointFailed:

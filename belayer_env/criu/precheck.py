@@ -107,3 +107,10 @@ def long_tmpfs_path(init_pid: int) -> str | None:
             if walked > MAX_TMPFS_ENTRIES:
                 return None
     return None
+
+
+def undumpable(freezer_control: Path | None, init_pid: int) -> str | None:
+    """Why a dump of the container (its freezer control file, its init's host pid) would fail
+    or could never be restored, in one line; None when nothing known stands in the way."""
+    return ((traced_task(freezer_control.parent / "cgroup.procs") if freezer_control is not None else None)
+            or (long_tmpfs_path(init_pid) if init_pid else None))
