@@ -7,42 +7,48 @@ from __future__ import annotations
 import os
 import shutil
 import stat as stat_mod
-import subprocess
 import uuid
 from pathlib import Path
 from typing import IO
 
-from belayer_env.store import layer
+from belayer_env.store import layer, long_paths
 from belayer_env.store.shared_layer import SharedLower
 
 
-def _kind(path: Path) -> str:
-    """``wh`` (overlay whiteout), ``opq`` (opaque directory), ``dir``, or ``other``."""
-    st = os.lstat(path)
+def _kind(fd: int, name: str) -> str:
+    """``wh`` (overlay whiteout), ``opq`` (opaque directory), ``dir``, ``link`` or ``other``
+    of ``name`` in directory ``fd`` (by fds: a path past PATH_MAX is fine)."""
+    st = os.lstat(name, dir_fd=fd)
     if stat_mod.S_ISCHR(st.st_mode) and st.st_rdev == 0:
         return "wh"
+    if stat_mod.S_ISLNK(st.st_mode):
+        return "link"
     if stat_mod.S_ISDIR(st.st_mode):
         try:
-            return "opq" if os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y" else "dir"
+            opaque = os.getxattr(long_paths.xattr_path(fd, name), "trusted.overlay.opaque", follow_symlinks=False)
         except OSError:
             return "dir"
+        return "opq" if opaque == b"y" else "dir"
     return "other"
+
+
+def upper_kinds(upper: Path) -> dict[str, str]:
+    """Every entry of ``upper`` -> its kind (``_kind``), walked by directory fds."""
+    up: dict[str, str] = {".": "dir"}
+    for dirpath, dirnames, filenames, fd in os.fwalk(upper):
+        rel = os.path.relpath(dirpath, upper)
+        for n in (*dirnames, *filenames):
+            up[n if rel == "." else f"{rel}/{n}"] = _kind(fd, n)
+    return {p: ("other" if k == "link" else k) for p, k in up.items()}
 
 
 def merged_lists(shared: SharedLower, upper: Path) -> tuple[list[str], list[str]]:
     """The entries of the shared layer still visible under ``upper`` (a fork's upperdir,
     or a copy of it), and every entry of ``upper``: together, the fork's whole layer."""
-    up: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(upper):
-        rel = os.path.relpath(dirpath, upper)
-        up[rel] = _kind(Path(dirpath)) if rel != "." else "dir"
-        for n in filenames:
-            p = n if rel == "." else f"{rel}/{n}"
-            up[p] = _kind(upper / p)
-        for n in list(dirnames):
-            p = n if rel == "." else f"{rel}/{n}"
-            if os.path.islink(upper / p):
-                up[p] = "other"
+    return _merged(shared, upper_kinds(upper))
+
+
+def _merged(shared: SharedLower, up: dict[str, str]) -> tuple[list[str], list[str]]:
     hides = {p for p, k in up.items() if k in ("wh", "other", "opq")}
     lower: list[str] = []
     for _, p in shared.entries():
@@ -59,7 +65,10 @@ def tar_merged(shared: SharedLower, upper: Path, fo: IO[bytes], scratch: Path,
                max_bytes: int | None) -> tuple[int, str]:
     """tar of the fork's whole layer (``merged_lists``) into ``fo``, hashing on the way:
     what a checkpoint of a fork records."""
-    lower, up = merged_lists(shared, upper)
+    kinds = upper_kinds(upper)
+    lower, up = _merged(shared, kinds)
+    if any(long_paths.is_long("./" + p) for p in (*lower, *up)):  # tar cannot list those: merge a copy
+        return _tar_rebuilt(shared, upper, kinds, fo, scratch, max_bytes)
     lists = []
     for n, paths in (("lower", lower), ("upper", up)):
         f = scratch / f"merged-{n}-{uuid.uuid4().hex[:8]}.list"
@@ -75,16 +84,47 @@ def tar_merged(shared: SharedLower, upper: Path, fo: IO[bytes], scratch: Path,
             f.unlink(missing_ok=True)
 
 
+def _children(root: Path, rel: str) -> list[str]:
+    try:
+        with long_paths.at(root, rel) as (fd, name):
+            dfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError:
+        return []
+    try:
+        return os.listdir(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _tar_rebuilt(shared: SharedLower, upper: Path, kinds: dict[str, str], fo: IO[bytes], scratch: Path,
+                 max_bytes: int | None) -> tuple[int, str]:
+    """The same layer with paths past PATH_MAX: the shared layer copied, what the upperdir
+    hides removed from the copy, the upperdir copied over it, the whole tarred (tar walks a
+    tree by fds)."""
+    tree = scratch / f"merged-{uuid.uuid4().hex[:8]}"
+    tree.mkdir(mode=0o700)
+    try:
+        layer.copy_tree(shared.diff.resolve(), tree)
+        for p, k in sorted(kinds.items(), key=lambda x: x[0].count("/")):
+            if p != "." and k in ("wh", "other"):
+                long_paths.remove(tree, p)
+            elif k == "opq":  # an opaque directory: nothing of the shared one's shows through
+                for child in _children(tree, p):
+                    long_paths.remove(tree, child if p == "." else f"{p}/{child}")
+        layer.copy_tree(upper, tree)
+        argv = ["tar", "--create", "--sparse", "--file=-", f"--directory={tree}", *layer.TAR_OPTS, "."]
+        return layer.stream_tar(argv, fo, max_bytes, f"the fork's layer (shared {shared.name} + {upper})")
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
 def tar_merged_from_tar(shared: SharedLower, upper_tar: Path, fo: IO[bytes], scratch: Path,
                         max_bytes: int | None) -> tuple[int, str]:
     """``tar_merged`` from a tar of the fork's upperdir (the ``paused`` capture's)."""
     tree = scratch / f"upper-{uuid.uuid4().hex[:8]}"
     tree.mkdir(mode=0o700)
     try:
-        proc = subprocess.run(["tar", "--extract", f"--file={upper_tar}", f"--directory={tree}", *layer.TAR_OPTS,
-                               "--same-permissions", "--same-owner"], capture_output=True)
-        if proc.returncode != 0:
-            raise layer.LayerError(f"unpacking the fork's upperdir failed: {proc.stderr.decode(errors='replace')[-500:]}")
+        layer.extract(upper_tar, tree, "unpacking the fork's upperdir")  # paths past PATH_MAX included
         return tar_merged(shared, tree, fo, scratch, max_bytes)
     finally:
         shutil.rmtree(tree, ignore_errors=True)

@@ -11,6 +11,7 @@ import pytest
 from belayer_core.errors import CheckpointFailed
 from belayer_env.capture.checkpoint import full_checkpoint
 from belayer_env.env.policy import AdaptivePolicy
+from belayer_env.forks.fork import fork
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox.fence import fence
 from belayer_env.sandbox.treehash import tree_hash
@@ -75,6 +76,27 @@ def test_a_path_past_path_max_does_not_stop_checkpoints(make_sandbox, ck_store, 
     finally:
         fence(docker_client, restored.name, background=False)
     assert _restored_hash(ck4, docker_client) == hashes[4]
+
+
+def test_a_fork_with_a_path_past_path_max_checkpoints_whole(make_sandbox, ck_store, docker_client):
+    """A fork's capture merges the shared layer under its own upperdir: with a long path it is
+    merged in a copy (whiteouts and opaque directories honoured), never left out."""
+    src = make_sandbox()
+    assert src.execute("mkdir -p /w/sub && echo a > /w/a && echo b > /w/sub/b && echo k > /w/keep")["returncode"] == 0
+    (child,) = fork(full_checkpoint(src, ck_store, 1), 1, client=docker_client)
+    try:
+        assert child.execute("rm /w/a && rm -rf /w/sub && mkdir /w/sub && echo c > /w/sub/c && " + DEEP)["returncode"] == 0
+        before = {root: tree_hash(child, root) for root in ("/w", "/tmp")}
+        for i, mode in enumerate(("incremental", "paused")):
+            restored = full_restore(full_checkpoint(child, ck_store, 2 + i, capture=mode), client=docker_client,
+                                    name=f"{child.name}-r{i}")
+            try:
+                assert {root: tree_hash(restored, root) for root in before} == before, mode
+                assert restored.execute("ls /w /w/sub")["output"] == "/w:\nkeep\nsub\n\n/w/sub:\nc\n"
+            finally:
+                fence(docker_client, restored.name, background=False)
+    finally:
+        fence(docker_client, child.name, background=False)
 
 
 def test_a_long_path_in_a_tmpfs_is_refused_not_made_unrestorable(make_sandbox, ck_store):
