@@ -28,26 +28,13 @@ mkdir -p "$LOG_DIR"
 . "$(cd "$(dirname "$0")" && pwd)/lib.sh"
 
 step "mini-swe-agent $VERSION in $VENV (test dependency)"
-# name==version of every distribution the project's python sees (the project itself left out)
-CONSTRAINTS_TEXT=$("$PY" - <<'PYEOF'
-import importlib.metadata as md
-seen = {}
-for dist in md.distributions():
-    name = (dist.metadata["Name"] or "").strip()
-    key = name.lower().replace("_", "-").replace(".", "-")
-    if name and key not in seen and key != "belayer":
-        seen[key] = f"{name}=={dist.version}"
-print("\n".join(sorted(seen.values(), key=str.lower)))
-PYEOF
-)
+CONSTRAINTS_TEXT=$(project_constraints)
 STAMP_TEXT="mini-swe-agent==$VERSION $(printf '%s' "$CONSTRAINTS_TEXT" | sha256sum | cut -c1-16)"
 STAMP=$VENV/.belayer-minisweagent-stamp
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_TEXT" ] && [ -x "$VENV/bin/python" ]; then
+if side_venv_ready "$VENV" "$STAMP" "$STAMP_TEXT"; then
   info "ready (stamp matches)"
   exit 0
 fi
-# no pip of its own: the project's pip (seen through the system site) installs into the venv
-[ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages --without-pip "$VENV"
 CONSTRAINTS=$VENV/project-constraints.txt
 printf '%s\n' "$CONSTRAINTS_TEXT" >"$CONSTRAINTS"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -c "$CONSTRAINTS")

@@ -26,16 +26,7 @@ if [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("skyrl-gym"))'
 fi
 CONSTRAINTS=$(mktemp /tmp/belayer-constraints.XXXXXX)
 trap 'rm -f "$CONSTRAINTS"' EXIT
-"$PY" - >"$CONSTRAINTS" <<'PYEOF'
-import importlib.metadata as md
-seen = {}
-for dist in md.distributions():
-    name = (dist.metadata["Name"] or "").strip()
-    key = name.lower().replace("_", "-").replace(".", "-")
-    if name and key not in seen and key != "belayer":
-        seen[key] = f"{name}=={dist.version}"
-print("\n".join(sorted(seen.values(), key=str.lower)))
-PYEOF
+project_constraints >"$CONSTRAINTS"
 info "pip install skyrl-gym==$VERSION, the project's packages held (log: $LOG_DIR/skyrl-gym.log)"
 run_logged "$LOG_DIR/skyrl-gym.log" "$PY" -m pip install --disable-pip-version-check --progress-bar off \
   -c "$CONSTRAINTS" "skyrl-gym==$VERSION"

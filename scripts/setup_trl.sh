@@ -33,29 +33,13 @@ mkdir -p "$LOG_DIR"
 step "TRL $VERSION in $VENV (test dependency)"
 # packages the venv may hold at another version than the project's (in the venv only)
 RELAXED="fsspec"
-# name==version of every distribution the project's python sees (the project itself and
-# RELAXED left out)
-CONSTRAINTS_TEXT=$(RELAXED=$RELAXED "$PY" - <<'PYEOF'
-import importlib.metadata as md
-import os
-skip = {"belayer", *os.environ["RELAXED"].split()}
-seen = {}
-for dist in md.distributions():
-    name = (dist.metadata["Name"] or "").strip()
-    key = name.lower().replace("_", "-").replace(".", "-")
-    if name and key not in seen and key not in skip:
-        seen[key] = f"{name}=={dist.version}"
-print("\n".join(sorted(seen.values(), key=str.lower)))
-PYEOF
-)
+CONSTRAINTS_TEXT=$(project_constraints $RELAXED)
 STAMP_TEXT="trl==$VERSION $(printf '%s' "$CONSTRAINTS_TEXT" | sha256sum | cut -c1-16)"
 STAMP=$VENV/.belayer-trl-stamp
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_TEXT" ] && [ -x "$VENV/bin/python" ]; then
+if side_venv_ready "$VENV" "$STAMP" "$STAMP_TEXT"; then
   info "ready (stamp matches)"
   exit 0
 fi
-# no pip of its own: the project's pip (seen through the system site) installs into the venv
-[ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages --without-pip "$VENV"
 CONSTRAINTS=$VENV/project-constraints.txt
 printf '%s\n' "$CONSTRAINTS_TEXT" >"$CONSTRAINTS"
 info "pip install trl==$VERSION, the project's packages held (log: $LOG_DIR/trl.log; ~2 min the first time)"

@@ -23,6 +23,7 @@ from .native_requests import parse_native
 from .native_run import NativeRun
 from .recovery import Continuation
 from .requests import parse_json
+from .tasks import gather_all
 
 
 def native_error(status: int, message: str) -> web.Response:
@@ -68,7 +69,7 @@ class NativeHandlers:
             if req.stream:
                 return await self._stream(request, runs, req.batched)
             try:
-                await _all(run.drive(self.continuation) for run in runs)
+                await gather_all(run.drive(self.continuation) for run in runs)
             except BelayerError as exc:
                 return native_error(failure_status(exc), f"{type(exc).__name__}: {exc}")
             out = [_sent(run.payload(final=True)) for run in runs]
@@ -192,14 +193,3 @@ def _sent(payload: dict) -> dict:
 
 async def _write(resp: web.StreamResponse, payload: dict) -> None:
     await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-
-async def _all(coros):
-    """Run ``coros`` concurrently; the first error cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

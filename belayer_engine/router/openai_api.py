@@ -31,6 +31,7 @@ from .requests import (
     parse_json,
     parse_request,
 )
+from .tasks import gather_all
 from .text import TextStream
 
 _FINISH = {"stop": "stop", "length": "length"}
@@ -109,7 +110,7 @@ class OpenAIHandlers:
         if req.stream:
             return await self._stream(request, choices, chat, kind, meta, want_ids, req)
         try:
-            await _all(self._collect(c) for c in choices)
+            await gather_all(self._collect(c) for c in choices)
         except BelayerError as exc:
             return error_response(*_failure(exc))
         out = []
@@ -149,7 +150,7 @@ class OpenAIHandlers:
         streams = [self.continuation.run(c.gen) for c in choices]
         try:
             try:
-                firsts = await _all(anext(s, None) for s in streams)
+                firsts = await gather_all(anext(s, None) for s in streams)
             except BelayerError as exc:
                 return error_response(*_failure(exc))
             return await self._stream_from(request, firsts, streams, choices, chat, kind, meta, want_ids, req)
@@ -267,17 +268,6 @@ def choice_seed(seed: int, index: int) -> int:
     others get distinct seeds derived from it, so the whole response is reproducible."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % MAX_SEED
-
-
-async def _all(coros):
-    """Run ``coros`` concurrently; the first error cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _usage(choices: list[_Choice]) -> dict:
