@@ -31,7 +31,10 @@ class SupervisorConfig(BaseModel):
     weights_socket: str | None = Field(
         default=None, description="Unix socket (0600) of the engine's weight endpoint for learners in other "
                                   "processes; None = RUN_DIR/weights.sock")
-    start_timeout_s: float = Field(default=180.0, gt=0)
+    start_timeout_s: float = Field(
+        default=600.0, gt=0, description="a process not ready after this fails the start; a first SGLang start on a "
+                                         "fresh GPU machine took 147 s (kernel builds), a CPU one ~60-120 s; a wait "
+                                         "longer than 15 s logs its progress")
     fence_timeout_s: float = Field(default=10.0, gt=0)
     unhealthy_window_s: float = Field(default=10.0, ge=0, description="a replacement failing within this = bad device")
     health_interval_s: float = Field(default=1.0, gt=0)

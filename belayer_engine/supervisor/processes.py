@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -21,6 +22,10 @@ from pathlib import Path
 import aiohttp
 
 from belayer_core.errors import WorkerLost
+
+log = logging.getLogger("belayer_engine.start")
+PROGRESS_EVERY_S = 15.0
+"""A start still waiting says so this often (a first SGLang start compiles kernels for minutes)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -107,18 +112,28 @@ async def stop_gracefully(proc: Proc, timeout: float) -> None:
 
 
 async def wait_until(
-    check: Callable[[], Awaitable[bool]], proc: Proc, timeout: float, what: str, interval: float = 0.05
+    check: Callable[[], Awaitable[bool]], proc: Proc, timeout: float, what: str, interval: float = 0.05,
+    progress_every: float = PROGRESS_EVERY_S,
 ) -> None:
-    """Poll ``check`` until true; fail fast with the log tail if ``proc`` dies first."""
-    deadline = time.monotonic() + timeout
+    """Poll ``check`` until true; fail fast with the log tail if ``proc`` dies first. A wait
+    longer than ``progress_every`` logs a line (warning: shown without logging set up) every
+    ``progress_every`` seconds, with the child's newest log line, instead of waiting silently."""
+    start = time.monotonic()
+    deadline, report_at = start + timeout, start + progress_every
     while True:
         if not proc.alive:
             raise WorkerLost(f"{proc.name} exited ({proc.process.returncode}) before {what}:\n{proc.log_tail()}")
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
             if await check():
                 return
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise WorkerLost(f"{proc.name} not {what} after {timeout:.0f}s:\n{proc.log_tail()}")
+        if now >= report_at:
+            report_at = now + progress_every
+            last = (proc.log_tail(400).strip().splitlines() or ["(no output yet)"])[-1]
+            log.warning("%s not %s yet: %.0f s of %.0f s; its log says: %s", proc.name, what, now - start,
+                        timeout, last[-200:])
         await asyncio.sleep(interval)
 
 
