@@ -40,7 +40,7 @@ def _assert_untouched(docker_client, sb) -> None:
 @pytest.mark.parametrize(("changes", "named"), [
     ({"capabilities": [*DEFAULT_CAPABILITIES, "SYS_ADMIN"]}, "capabilities: SYS_ADMIN"),
     ({"network": True}, "network"),
-    ({"memory": "64g"}, "memory"),
+    ({"memory": "2g"}, "memory"),
     ({"docker_host": "tcp://127.0.0.1:2375"}, "docker_host"),
 ], ids=["sys_admin", "network", "memory", "docker_host"])
 def test_a_manifest_cannot_widen_the_sandbox(make_sandbox, ck_store, docker_client, changes, named):
