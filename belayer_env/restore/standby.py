@@ -2,25 +2,41 @@
 
 After a checkpoint is published, ``Standby.prepare`` restores it on a background thread
 into a container of its own (``<sandbox>-standby-<hex>``, labelled and owned like every
-sandbox, so ``belayer gc`` reaps it when its owner dies) and pauses it right after the
-restore returns. Frozen, it cannot diverge: its state is the checkpoint's boundary plus
-at most the few milliseconds its processes ran between CRIU's resume and the pause, a
+sandbox, so ``belayer gc`` reaps it when its owner dies) and freezes its cgroup right after
+the restore returns. Frozen, it cannot diverge: its state is the checkpoint's boundary plus
+at most the few milliseconds its processes ran between CRIU's resume and the freeze, a
 state the sandbox could have reached idling at that boundary anyway (between steps the
-sandbox runs freely).
+sandbox runs freely). What a rollback would otherwise check, Docker's view (running, its
+init's pid) and the freezer's control file, is checked and kept while preparing.
 
-Rollback is then ``promote``: fence the failed sandbox (killed, name freed), rename the
-standby to the sandbox's name, thaw it, verify it runs. No bytes move and CRIU does not
-run on the critical path. At most one standby per ``Standby`` (one per env): preparing a
-new one discards the old one first. Phases (fault injection): ``standby_frozen`` once
-prepared, ``standby_thawed`` between thaw and verify.
+Rollback is then ``promote``, on its critical path only the kernel and one listing:
+
+- *fence*: list the sandbox's containers (one Docker call) and SIGKILL each one's init
+  through the kernel, dead once its cgroup is empty (``freezer.kill_cgroup``);
+- *thaw*: write THAWED to the standby's freezer cgroup;
+- *verify*: the cgroup thawed and the init Docker reported running alive in it.
+
+Docker's names follow on a thread (``fence.settle_later``): the dead containers renamed
+aside, the standby renamed to the sandbox's name; every later fence or restore of that
+name waits for them, and a standby that cannot take the name is fenced (its next command
+then fails as a lost sandbox: never an observation). The frozen container is one Docker
+reports running (it never paused it), so no Docker call is needed to thaw it. Where its
+cgroup is not readable here (a remote daemon), Docker pauses and unpauses it instead.
+
+No bytes move and CRIU does not run on the critical path. At most one standby per
+``Standby`` (one per env): preparing a new one discards the old one first. Phases (fault
+injection): ``standby_frozen`` once prepared, ``standby_thawed`` between thaw and verify.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import docker
 
@@ -28,10 +44,11 @@ from belayer_core.errors import InfraError, RestoreFailed, SandboxLost
 from belayer_env.background import Background
 from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.restore.restore import full_restore
-from belayer_env.sandbox import fence
+from belayer_env.sandbox import fence, freezer
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import translate_errors
+from belayer_env.sandbox.roster import Roster
 from belayer_env.store.manifest import Checkpoint
 
 PREPARE_WAIT_S = 60.0
@@ -40,6 +57,18 @@ PREPARE_WAIT_S = 60.0
 
 def standby_name(sandbox: str) -> str:
     return f"{sandbox}-standby-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A prepared standby as checked while preparing: frozen through ``control`` (its
+    freezer file), Docker's view running with init ``pid``; ``roster``: its sandbox's
+    containers as listed then, kept valid through the kernel (``sandbox/roster.py``)."""
+
+    container_id: str
+    pid: int
+    control: Path
+    roster: Roster | None = None
 
 
 def meminfo_available() -> int | None:
@@ -70,8 +99,13 @@ class Standby:
         self._done = threading.Event()
         self._done.set()
         self._cancel = threading.Event()
+        self._frozen: Frozen | None = None
         self.error: BaseException | None = None
         self.prepare_s: float | None = None
+        fence.start_worker()  # the promotion's renames queue to it, no thread started on a rollback
+        self.last_promote: dict[str, float] = {}
+        """The newest promotion's phases in seconds: ``fence_s``, ``thaw_s``, ``verify_s``
+        (the critical path) and, once set on its thread, ``names_s`` (Docker's renames)."""
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -102,14 +136,16 @@ class Standby:
             if cancel.is_set():
                 raise SandboxLost(f"standby {name} was discarded before it was prepared")
             sandbox = full_restore(ck, client=self.client, name=name, config=self.config)
-            with translate_errors(f"freeze standby {name}"):
-                self.client.api.pause(sandbox.container_id)
+            frozen = _freeze(self.client, sandbox.container_id, name)
+            if frozen is not None:  # the fence of a rollback, listed now
+                frozen = dataclasses.replace(frozen, roster=Roster.take(self.client, ck.sandbox,
+                                                                        frozen.control.parent.parent))
             self.hook(Phase.STANDBY_FROZEN)
             if cancel.is_set():
                 raise SandboxLost(f"standby {name} was discarded while being prepared")
             with self._lock:
                 if self._name == name:
-                    self._sandbox, self.prepare_s = sandbox, time.monotonic() - t0
+                    self._sandbox, self._frozen, self.prepare_s = sandbox, frozen, time.monotonic() - t0
                     sandbox = None
         except BaseException as e:  # noqa: BLE001 - a standby that failed is just not there
             with self._lock:
@@ -134,13 +170,57 @@ class Standby:
             done = self._done
         done.wait(wait_s)
         with self._lock:
-            sandbox, standby = self._sandbox, self._name
-            self._sandbox, self._checkpoint, self._name = None, None, None
+            sandbox, standby, frozen = self._sandbox, self._name, self._frozen
+            self._sandbox, self._checkpoint, self._name, self._frozen = None, None, None, None
         if sandbox is None or standby is None:
             if standby is not None and not done.is_set():
                 self._cancel.set()  # still preparing past the wait: it removes itself
             return None
-        api, cid = self.client.api, sandbox.container_id
+        if frozen is not None:
+            promoted = self._promote_kernel(checkpoint, name, standby, frozen)
+        else:
+            promoted = self._promote_docker(checkpoint, name, standby, sandbox.container_id)
+        promoted.restored_from = checkpoint.id
+        # its processes ran only after this stamp: the next capture can be incremental
+        promoted.layer_installed_ns = sandbox.layer_installed_ns
+        return promoted
+
+    def _promote_kernel(self, checkpoint: Checkpoint, name: str, standby: str, frozen: Frozen) -> DockerSandbox:
+        """Fence + thaw + verify through the kernel; Docker's names on a thread (module docstring)."""
+        cid, phases = frozen.container_id, {}
+        self.last_promote = phases
+        t0 = time.perf_counter()
+        try:
+            found = frozen.roster.current(name, cid) if frozen.roster is not None else None
+            phases["listed_ahead"] = float(found is not None)
+            if found is None:
+                found = [c for c in fence.sandbox_containers(self.client, name, by_name=True) if c["Id"] != cid]
+            killed, done = fence.kill_kernel(self.client, name, found)
+            t1 = time.perf_counter()
+            phases["fence_s"] = t1 - t0
+            fence.add_alias(name, cid)  # a container of ``name`` from here on, in every listing of it
+            if not freezer.thaw(cid):
+                raise SandboxLost(f"standby {standby} could not be thawed")
+            t2 = time.perf_counter()
+            phases["thaw_s"] = t2 - t1
+            self.hook(Phase.STANDBY_THAWED)
+            t2 = time.perf_counter()
+            if not freezer.init_alive(cid, frozen.pid):
+                raise SandboxLost(f"thawed standby of {checkpoint.id}: container {cid[:12]} lost its init process")
+            phases["verify_s"] = time.perf_counter() - t2
+        except BaseException:
+            with contextlib.suppress(Exception):  # under either name: nothing half-promoted runs
+                fence.fence(self.client, standby, background=False)
+                fence.fence(self.client, name, background=False)
+            fence.drop_alias(name, cid)
+            raise
+        # Docker's names after the critical path (a thread started earlier would compete for the CPU)
+        fence.settle_later(name, _take_name, self.client, name, standby, cid, killed, done, phases)
+        return DockerSandbox.attach(cid, checkpoint.config, name, self.client)
+
+    def _promote_docker(self, checkpoint: Checkpoint, name: str, standby: str, cid: str) -> DockerSandbox:
+        """Docker paused the standby (no cgroup of it here): its unpause beside the fence."""
+        api = self.client.api
         # the thaw runs beside the fence: the standby shares nothing with the failed sandbox,
         # and only the rename needs the name the fence frees
         thaw = Background(_unpause, api, cid, f"thaw standby {standby}", name="belayer-standby-thaw")
@@ -161,9 +241,6 @@ class Standby:
                 fence.fence(self.client, name, background=False)
             raise
         fence.remove_in_background(self.client, fenced)
-        promoted.restored_from = checkpoint.id
-        # its processes ran only after this stamp: the next capture can be incremental
-        promoted.layer_installed_ns = sandbox.layer_installed_ns
         return promoted
 
     def discard(self, *, background: bool = False) -> None:
@@ -179,7 +256,7 @@ class Standby:
         """Forget the current standby; return what removing it needs (its name, its thread's end)."""
         with self._lock:
             name, done = self._name, self._done
-            self._sandbox, self._checkpoint, self._name = None, None, None
+            self._sandbox, self._checkpoint, self._name, self._frozen = None, None, None, None
             self._cancel.set()
         return name, done
 
@@ -188,6 +265,46 @@ class Standby:
         if name is not None:
             with contextlib.suppress(Exception):
                 fence.fence(self.client, name, background=False)
+
+
+def _freeze(client: docker.DockerClient, cid: str, name: str) -> Frozen | None:
+    """Freeze the restored standby through its cgroup and check it as a rollback would
+    (Docker's view running, its init alive in the cgroup); None: no cgroup of it here,
+    Docker paused it instead."""
+    control = freezer.control_file(cid)
+    if control is None:
+        with translate_errors(f"freeze standby {name}"):
+            client.api.pause(cid)
+        return None
+    if not freezer.freeze(cid, poll_s=0.001):
+        raise SandboxLost(f"standby {name} could not be frozen")
+    with translate_errors(f"check standby {name}"):
+        state = client.api.inspect_container(cid)["State"]
+    pid = state.get("Pid", 0)
+    if not (state.get("Running") and not state.get("Paused") and freezer.init_alive(cid, pid)):
+        raise SandboxLost(f"standby {name} is not running after its restore ({state.get('Status')})")
+    return Frozen(cid, pid, control)
+
+
+def _take_name(client: docker.DockerClient, name: str, standby: str, cid: str, killed: list[str],
+               done: list[str], phases: dict[str, float]) -> None:
+    """Docker's half of a promotion, on a thread: the dead containers renamed aside, the
+    standby renamed to ``name``, the dead removed. A standby that cannot take the name is
+    fenced: a promoted sandbox that a fence of ``name`` would not find never runs on."""
+    t0 = time.perf_counter()
+    try:
+        for dead in killed:
+            fence.rename_aside(client, dead, name)
+        with translate_errors(f"promote standby {standby}"):
+            client.api.rename(cid, name)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fence.fence(client, standby, background=False)
+        raise
+    finally:
+        fence.drop_alias(name, cid)
+        fence.remove_in_background(client, killed + done)
+    phases["names_s"] = time.perf_counter() - t0
 
 
 def _unpause(api: docker.APIClient, container_id: str, what: str) -> None:

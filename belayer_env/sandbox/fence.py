@@ -14,7 +14,10 @@ outlives the fence.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import queue
+import threading
 import time
 import uuid
 from typing import Any
@@ -23,7 +26,7 @@ import docker
 import requests
 
 from belayer_core.errors import SandboxLost
-from belayer_env.background import Background, ThreadSet
+from belayer_env.background import ThreadSet
 from belayer_env.sandbox import freezer
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.ownership import SANDBOX_NAME
@@ -35,21 +38,32 @@ KERNEL_KILL_WAIT_S = 5.0
 CRIU): Docker's kill and wait (``STOPPED_TIMEOUT_S``) take over."""
 
 
+_listers = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="belayer-fence-list")
+"""Threads kept for the by-name listing beside the by-label one (a thread started per
+listing waits for the CPU on a busy host)."""
+
+
 def sandbox_containers(client: docker.DockerClient, sandbox_name: str, *,
                        by_name: bool = False) -> list[dict[str, Any]]:
     """Docker's list entries (``Id``, ``State``, ...) of every container of the sandbox.
 
     By label; ``by_name`` also finds a container that merely holds the name (not one of
     ours, but in the way of reusing it). Listing never blocks on a wedged container.
+    Docker's names of the sandbox still being set on a thread (``settle_later``: a promoted
+    standby's renames) are set first.
     """
+    _settled(sandbox_name)
     with translate_errors(f"list containers of sandbox {sandbox_name}"):
         # the two listings side by side: a rollback lists up to three times on its critical path
-        named = (Background(client.api.containers, all=True, filters={"name": f"^/{sandbox_name}$"},
-                            name="belayer-fence-list") if by_name else None)
+        named = (_listers.submit(client.api.containers, all=True, filters={"name": f"^/{sandbox_name}$"})
+                 if by_name else None)
         found = {c["Id"]: c for c in client.api.containers(
             all=True, filters={"label": f"{SANDBOX_NAME}={sandbox_name}"})}
         if named is not None:
             for c in named.result():
+                found.setdefault(c["Id"], c)
+        for cid in aliases(sandbox_name) - set(found):
+            for c in client.api.containers(all=True, filters={"id": cid}):
                 found.setdefault(c["Id"], c)
     return [found[k] for k in sorted(found)]
 
@@ -139,9 +153,118 @@ def remove_in_background(client: docker.DockerClient, container_ids: list[str]) 
 
 
 def wait_removed(timeout_s: float = 120.0) -> bool:
-    """Wait for this process's background removals (``env.close``, benchmarks between
-    timed calls); True when none is left. A dying process's: ``belayer gc``."""
+    """Wait for this process's background renames (``settle_later``) and removals
+    (``env.close``, benchmarks between timed calls); True when none is left. A dying
+    process's: ``belayer gc``."""
+    with _pending_lock:
+        names = list(_pending)
+    for name in names:
+        _settled(name)
     return _removing.wait(timeout_s)
+
+
+_pending: dict[str, threading.Event] = {}
+_pending_lock = threading.Lock()
+_aliases: dict[str, set[str]] = {}
+
+
+def add_alias(sandbox_name: str, container_id: str) -> None:
+    """Count ``container_id`` as a container of ``sandbox_name`` in this process's listings
+    before Docker names it so (a standby being promoted: its rename follows on a thread)."""
+    with _pending_lock:
+        _aliases.setdefault(sandbox_name, set()).add(container_id)
+
+
+def drop_alias(sandbox_name: str, container_id: str) -> None:
+    with _pending_lock:
+        ids = _aliases.get(sandbox_name, set())
+        ids.discard(container_id)
+        if not ids:
+            _aliases.pop(sandbox_name, None)
+
+
+def aliases(sandbox_name: str) -> set[str]:
+    with _pending_lock:
+        return set(_aliases.get(sandbox_name, ()))
+
+
+def settle_later(sandbox_name: str, fn: Any, *args: Any) -> threading.Event:
+    """Run ``fn(*args)``, Docker's bookkeeping of sandbox ``sandbox_name`` (renames), on this
+    module's worker thread, off a rollback's critical path (queued, not started: a thread
+    start would wait for the CPU on a busy host). Every later listing of that sandbox in
+    this process (``sandbox_containers``: a fence, a restore, ``env.close``) waits for it
+    first, so none acts on names it has not set yet. ``fn`` must not list that sandbox
+    itself. Returns the job's end (set once it ran, whatever its outcome)."""
+    done = threading.Event()
+    with _pending_lock:
+        _pending[sandbox_name] = done
+    _jobs.put((fn, args, done))
+    start_worker()
+    return done
+
+
+_jobs: queue.SimpleQueue = queue.SimpleQueue()
+_worker: threading.Thread | None = None
+
+
+def start_worker() -> None:
+    """Start the worker once per process (a ``Standby`` does at its creation, not on a rollback)."""
+    global _worker
+    with _pending_lock:
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_work, daemon=True, name="belayer-fence-names")
+            _worker.start()
+
+
+def _work() -> None:
+    while True:
+        fn, args, done = _jobs.get()
+        try:
+            fn(*args)
+        except BaseException:  # noqa: BLE001, S110 - the job cleans up after itself
+            pass
+        finally:
+            done.set()
+
+
+def _settled(sandbox_name: str) -> None:
+    with _pending_lock:
+        done = _pending.get(sandbox_name)
+    if done is None:
+        return
+    done.wait()  # FIFO: every earlier job of that name has run too
+    with _pending_lock:
+        if _pending.get(sandbox_name) is done:
+            del _pending[sandbox_name]
+
+
+def kill_kernel(client: docker.DockerClient, sandbox_name: str, found: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The kill of ``kill_listed`` through the kernel alone, for a rollback's critical path
+    where the daemon is known to be local (a container of it has its cgroup here): no
+    inspect, no rename, no Docker kill; a container without a cgroup has no process. Returns (killed: dead in the kernel's view, still
+    to be renamed aside, ``rename_aside``; done: renamed aside already, dead). A container
+    whose cgroup cannot be read here, or does not empty, goes Docker's way (``kill_listed``)."""
+    killed, done = [], []
+    for c in found:
+        if fenced_already(c, sandbox_name):
+            done.append(c["Id"])
+        elif c.get("State") != "paused" and freezer.kill_cgroup(c["Id"], KERNEL_KILL_WAIT_S, local=True):
+            killed.append(c["Id"])
+        else:
+            done += kill_listed(client, sandbox_name, [c], docker_view=False)
+    return killed, done
+
+
+def rename_aside(client: docker.DockerClient, container_id: str, sandbox_name: str) -> None:
+    """Free the sandbox's name held by a dead container (one already gone is fine; one that
+    cannot be renamed is removed now)."""
+    with translate_errors(f"fence sandbox {sandbox_name}"):
+        try:
+            client.api.rename(container_id, f"{sandbox_name}-fenced-{uuid.uuid4().hex[:8]}")
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError:
+            remove(client, container_id)
 
 
 def thaw(client: docker.DockerClient, container_id: str, *, paused: bool) -> None:

@@ -142,3 +142,81 @@ def kill_all(container_id: str, init_pid: int, wait_s: float = 30.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)
+
+
+def procs(container_id: str) -> list[int] | None:
+    """The pids in the container's cgroup ([] once it is dead or its cgroup gone; None: no
+    cgroup of it here to read, e.g. a remote daemon's container)."""
+    path = control_file(container_id)
+    if path is None:
+        return None
+    try:
+        return [int(p) for p in (path.parent / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError):
+        return None
+
+
+def _namespace_init(pids: list[int]) -> int | None:
+    """The one of ``pids`` that is pid 1 of its own pid namespace (the container's init)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:"):
+                        if line.split()[-1] == "1":
+                            return pid
+                        break
+        except OSError:
+            continue
+    return None
+
+
+def init_alive(container_id: str, init_pid: int) -> bool:
+    """True when ``init_pid`` is in the container's cgroup and not a zombie (the kernel's
+    view of a running container; Docker's state says so only later)."""
+    if init_pid <= 0 or init_pid not in (procs(container_id) or ()):
+        return False
+    try:
+        with open(f"/proc/{init_pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_cgroup(container_id: str, wait_s: float = 5.0, *, local: bool = False) -> bool | None:
+    """Kill every process of the container through the kernel alone (no Docker call, no
+    pid from Docker): thaw its cgroup if frozen, SIGKILL the pid-namespace init found in it
+    (its death ends the whole namespace) through a pidfd taken while the pid was in the
+    cgroup (a pid reused meanwhile is never signalled), or every listed process where no
+    init is left. True once the cgroup holds no process; None: no cgroup of it here (the
+    caller uses Docker's kill); False: not confirmed within ``wait_s``. ``local``: the
+    container's daemon is known to run here (e.g. a sibling's cgroup was found), so a
+    missing cgroup is a dead container's, removed."""
+    pids = procs(container_id)
+    if pids is None:
+        return True if local and control_file(container_id) is None else None
+    if not pids:
+        return True
+    if is_frozen(container_id) and not thaw(container_id):
+        return False
+    init = _namespace_init(pids)
+    for pid in [init] if init is not None else pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue  # gone already
+        try:
+            if pid in (procs(container_id) or ()):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    deadline = time.monotonic() + wait_s
+    while (left := procs(container_id)) != []:
+        if left is None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True

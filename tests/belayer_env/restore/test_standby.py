@@ -18,7 +18,8 @@ from belayer_env.ops.gc import list_managed
 from belayer_env.phases import Phase
 from belayer_env.restore.standby import Standby
 from belayer_env.sandbox import freezer
-from belayer_env.sandbox.fence import sandbox_containers
+from belayer_env.sandbox.fence import sandbox_containers, wait_removed
+from belayer_env.sandbox.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.belayer_env.conftest_env import assert_no_infra_text
 from tests.belayer_env.env.test_env_recovery import BUMP, COUNTER
@@ -44,14 +45,17 @@ def test_standby_is_frozen_and_promotes_to_the_checkpoint(make_sandbox, ck_store
     sb = make_sandbox()
     start_counter(sb)
     start_server(sb)
+    sb.execute("mkdir -p /w && echo one > /w/a && ln -s a /w/l")
     h0 = http_get(sb)
+    tree = tree_hash(sb, root="/w")
     ck = full_checkpoint(sb, ck_store, 1)
     standby = Standby(docker_client)
     standby.prepare(ck)
     wait_until(lambda: standby.ready() or standby.error, 120, "standby prepared")
     assert standby.error is None, standby.error
     cid = standby._sandbox.container_id
-    assert freezer.is_frozen(cid) and docker_client.api.inspect_container(cid)["State"]["Paused"]
+    # frozen through its cgroup: Docker never paused it, so its thaw needs no Docker call
+    assert freezer.is_frozen(cid) and not docker_client.api.inspect_container(cid)["State"]["Paused"]
     managed = {c.id: c for c in list_managed(docker_client)}
     assert cid in managed and not managed[cid].orphaned  # labelled, owned: gc reaps it if we die
     # the live sandbox moves on past the checkpoint, then fails
@@ -63,12 +67,40 @@ def test_standby_is_frozen_and_promotes_to_the_checkpoint(make_sandbox, ck_store
     assert promoted is not None and promoted.container_id == cid and promoted.name == sb.name
     assert promoted.restored_from == ck.id and not freezer.is_frozen(cid)
     assert not _processes(old)  # the failed one is fenced: dead in the kernel's view at once
+    assert {"fence_s", "thaw_s", "verify_s"} <= set(standby.last_promote)
+    # Docker's names follow on a thread; a listing of the name waits for them
+    assert [c["Id"] for c in sandbox_containers(docker_client, sb.name, by_name=True)
+            if f"/{sb.name}" in c["Names"]] == [cid]
     wait_until(lambda: _running(docker_client, sb.name) == [cid], 30, "Docker's view of the fence")
     assert http_get(promoted) == h0 + 1  # the server's memory is the checkpoint's
+    assert tree_hash(promoted, root="/w") == tree
     assert promoted.execute("ls /late")["returncode"] != 0
     n, unbroken = log_state(promoted)
     assert unbroken and n > 0
     assert standby.promote(ck, sb.name) is None  # consumed
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_promotion_fences_a_live_sandbox_and_its_next_command_sees_the_checkpoint(make_sandbox, ck_store,
+                                                                                  docker_client, round_):
+    # no sleeps: the promoted sandbox answers its next command at once, from the checkpoint's
+    # state, while Docker's renames may still run; the old one never answers again
+    sb = make_sandbox()
+    sb.execute("echo 1 > /state; sleep 1000 &")
+    ck = full_checkpoint(sb, ck_store, 1)
+    standby = Standby(docker_client)
+    standby.prepare(ck)
+    wait_until(lambda: standby.ready() or standby.error, 120, "standby prepared")
+    assert standby.error is None, standby.error
+    sb.execute("echo 2 > /state")
+    old = sb.container_id
+    promoted = standby.promote(ck, sb.name)
+    assert promoted is not None and not _processes(old)
+    out = promoted.execute("cat /state; ps -o args= -C sleep")["output"]
+    assert out.split("\n")[0] == "1" and "sleep 1000" in out.split("\n"), out
+    assert not sb.is_alive()
+    assert wait_removed(60)
+    assert [c["Id"] for c in sandbox_containers(docker_client, sb.name, by_name=True)] == [promoted.container_id]
 
 
 def test_standby_of_another_checkpoint_is_not_used(make_sandbox, ck_store, docker_client):
@@ -174,3 +206,27 @@ def test_policy_standby_cost_model():
     assert not flaky.wants_standby(100 * GIB, 100 * GIB)  # off where memory is short
     flaky.observe_standby(0.04)  # a standby that saves nothing over its own rollback
     assert not flaky.wants_standby(1 << 20, 100 * GIB)
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_promotion_fences_a_container_of_the_sandbox_started_after_the_standby(make_sandbox, ck_store,
+                                                                               docker_client, round_):
+    # the fence's listing is taken once the standby is prepared and kept valid through the
+    # kernel: a container of the sandbox started later (here a restore under its name) is
+    # found from Docker's own record of it and killed before the standby thaws
+    from belayer_env.restore.restore import full_restore
+
+    sb = make_sandbox()
+    sb.execute("echo 1 > /state")
+    ck = full_checkpoint(sb, ck_store, 1)
+    standby = Standby(docker_client)
+    standby.prepare(ck)
+    wait_until(lambda: standby.ready() or standby.error, 120, "standby prepared")
+    assert standby.error is None, standby.error
+    later = full_restore(ck, client=docker_client)  # fences sb, starts a new container of sb.name
+    assert later.container_id != sb.container_id and _processes(later.container_id)
+    promoted = standby.promote(ck, sb.name)
+    assert promoted is not None and standby.last_promote["listed_ahead"]
+    assert not _processes(later.container_id)  # dead before the standby ran
+    assert promoted.execute("cat /state")["output"].strip() == "1"
+    wait_until(lambda: _running(docker_client, sb.name) == [promoted.container_id], 30, "Docker's view of the fence")
