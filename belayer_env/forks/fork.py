@@ -35,6 +35,7 @@ from belayer_core.errors import RestoreFailed, UsageError
 from belayer_env.criu import runtime
 from belayer_env.forks.ahead import discard_images, verified_images
 from belayer_env.forks.pool import ForkPool
+from belayer_env.forks.warm import WarmForks
 from belayer_env.restore import prestaging
 from belayer_env.restore.cleanup import clean_later, cleanup_deferred
 from belayer_env.restore.restore import full_restore
@@ -60,8 +61,13 @@ def fork_name(checkpoint: Checkpoint, index: int) -> str:
 def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
          names: list[str] | None = None, parallel: int = 8, share: bool = True,
          fresh_names: bool = False, pool: ForkPool | None = None,
-         config: SandboxConfig | None = None) -> list[DockerSandbox]:
+         config: SandboxConfig | None = None, warm: WarmForks | None = None) -> list[DockerSandbox]:
     """Restore ``checkpoint`` ``n`` times into new sandboxes; all or none.
+
+    ``warm``: forks of this checkpoint restored ahead and frozen (``warm_forks``): where it
+    holds ``n`` of them (made for the same ``config``), they are thawed and returned, with
+    no restore on the call (a preparation still running is waited for); otherwise the
+    forks are restored as below.
 
     ``share``: the forks share the checkpoint's layer copy-on-write (module docstring);
     each fork's ``.shared_lower`` names the shared copy (None: a copy of its own).
@@ -84,6 +90,9 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         raise UsageError("a restore spare serves its sandbox's own restore (full_restore(spare=)), not forks")
     if pool is not None and (names is not None or not share):
         raise UsageError("a fork pool names its forks and serves shared forks: no names=, no share=False")
+    if (warm is not None and names is None and share and warm.config == config
+            and (ready := warm.take(checkpoint, n, wait_s=SETTLE_S)) is not None):
+        return ready
     client = client or connect((config or SandboxConfig()).docker_host)  # never the manifest's daemon
     try:
         data = read_manifest_digest(Path(checkpoint.path))[0]
@@ -103,6 +112,18 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         # not before (an API call per copy and alias: tens of ms of a fork's CPU)
         clean_later(shared_sweep.sweep, client, root)
         return _fork_shared(restore, checkpoint, client, names, n, parallel, generated, pool, root)
+
+
+def warm_forks(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None = None,
+               pool: ForkPool | None = None, config: SandboxConfig | None = None) -> WarmForks:
+    """``n`` forks of ``checkpoint`` restored now on a thread (``fork``, into ``pool`` where
+    given) and frozen, for a later ``fork(checkpoint, k, warm=...)`` (k <= n) to thaw
+    (``forks/warm.py``). Close it to fence the ones not taken."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_FORKS:
+        raise UsageError(f"n must be an int in 1..{MAX_FORKS}, got {n!r}")
+    client = client or connect((config or SandboxConfig()).docker_host)
+    return WarmForks(checkpoint, n, client, lambda k: fork(checkpoint, k, client=client, pool=pool, config=config),
+                     config=config)
 
 
 def _fork_shared(restore: Restore, checkpoint: Checkpoint, client: docker.DockerClient, names: list[str], n: int, parallel: int,
