@@ -4,9 +4,11 @@ sandbox (issue 35 item 4): what no Belayer change can go below on this kernel an
 - ``freeze_thaw_s``: the bare freezer cgroup cycle (write FROZEN until frozen, write THAWED).
 - ``criu_*``: a bare ``runc checkpoint --leave-running`` of the same process tree (CRIU
   freezes it itself; nothing of ours inside the freeze, no layer): CRIU's own frozen time
-  (``criu_frozen_s``: freezing + frozen, from its stats), of it the memory dump
-  (``criu_memdump_s``) and the pages written. Every CRIU-based capture's frozen window is
-  at least this; this kernel has no soft-dirty tracking, so every page is dumped frozen.
+  from FROZEN to the thaw (``criu_frozen_s``, from its stats; its freezing apart,
+  ``criu_freezing_s``: CRIU's freeze loop sleeps 100 ms when the first read says FREEZING,
+  which Belayer's own freeze avoids), of it the memory dump (``criu_memdump_s``) and the
+  pages written. Every CRIU-based capture's frozen window is at least ``criu_frozen_s``;
+  this kernel has no soft-dirty tracking, so every page is dumped frozen.
 - ``docker_list_s``: one fence listing through Docker (two list calls side by side), what a
   rollback paid per listing before its listing moved off the critical path;
   ``docker_ping_s``: one bare Docker API round trip.
@@ -50,8 +52,8 @@ def bare_criu(sb: DockerSandbox) -> dict[str, float]:
         st = criu_hooks.dump_stats(tmp / "work")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"criu_wall_s": wall, "criu_frozen_s": (st.get("freezing_time", 0) + st.get("frozen_time", 0)) / 1e6,
-            "criu_memdump_s": st.get("memdump_time", 0) / 1e6, "criu_pages_written": float(st.get("pages_written", 0))}
+    return {"criu_wall_s": wall, "criu_frozen_s": st.get("frozen_time", 0) / 1e6,
+            "criu_freezing_s": st.get("freezing_time", 0) / 1e6, "criu_memdump_s": st.get("memdump_time", 0) / 1e6, "criu_pages_written": float(st.get("pages_written", 0))}
 
 
 def docker_round_trips(client, sb: DockerSandbox) -> dict[str, float]:

@@ -31,9 +31,11 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
   checkpoint in, ``start?checkpoint=``.
 - ``standby``: the checkpoint restored ahead of time into a frozen standby (``prepare_s``, off
   the critical path); the sandbox is then lost (killed, untimed: the failure), and the
-  rollback is ``Standby.promote``: fence the dead sandbox, rename, thaw, verify
-  (``restore_s``). The other restores fence a live sandbox inside their timing (~0.1 s of
-  ``docker kill`` under load).
+  rollback is ``Standby.promote`` (``restore_s``), its phases in ``standby_phases``: the
+  fence (the listing taken ahead, checked through the cgroups, each init SIGKILLed), the
+  thaw (the freezer cgroup), the verify (the init alive in it), and apart, after the
+  critical path, Docker's renames (``names_s``). The other restores fence a live sandbox
+  inside their timing (~0.1 s of ``docker kill`` under load).
 - ``fork``: ``fork(checkpoint, n)`` (``--fork-n``, default 8): n sandboxes from one
   checkpoint, side by side, sharing its layer as a read-only overlay lower layer
   (unpacked once); ``restore_s`` is the time until all n run.
@@ -45,7 +47,16 @@ Scenarios: (a) ``idle``: a fresh shell container; (b) ``heavy``: a python proces
 - ``fork_ahead``: the same, the pool having also verified the checkpoint's shared layer and
   runtime images ahead (``ForkPool.prepare``, as ``EnvConfig(fork_pool=n)`` does when a
   checkpoint is published; ``prepare_s``, untimed in use): the call only starts containers.
+- ``fork_warm``: ``warm_forks(checkpoint, n)``: the n forks restored ahead and frozen
+  (``prepare_s``, untimed in use), then ``fork(checkpoint, n, warm=...)``: n thaws and checks
+  (``thaw_s``, ``verify_s``).
 - ``cold``: create + start a fresh container (what a restore competes with: no state).
+- ``floors`` (``_floors.py``), on the same sandbox every round: the bare freezer freeze +
+  thaw, a bare CRIU dump of the same process tree (CRIU's own frozen time and memory dump),
+  one Docker listing and ping, n plain containers started side by side. The JSON's
+  ``targets`` holds issue 35's targets against this run's p50 with the floor beside each, and
+  ``soft_dirty_estimate`` what a kernel with CONFIG_MEM_SOFT_DIRTY would give (an estimate
+  from this run's pieces).
 
 The machine may be shared: the load average is recorded at the start and after every run
 (``host.loadavg``); under load compare the methods side by side (same run, interleaved),
@@ -568,7 +579,7 @@ def verdicts(result: dict) -> list[dict]:
                    "p50_ms": round(p50, 2), "met": p50 <= target}
             if method == "belayer":
                 est = result.get("soft_dirty_estimate", {}).get(scen, {}).get("frozen_s_p50_estimate")
-                row["floor_ms"] = {"bare CRIU dump, CRIU's own frozen time": floors.get("criu_frozen_s"),
+                row["floor_ms"] = {"bare CRIU dump, CRIU's own frozen time (FROZEN to thaw)": floors.get("criu_frozen_s"),
                                    "of it the memory dump (every page: no soft-dirty)": floors.get("criu_memdump_s"),
                                    "bare freezer freeze + thaw": floors.get("freeze_thaw_s")}
                 row["with_soft_dirty_estimate_ms"] = None if est is None else round(est * 1e3, 1)
