@@ -120,7 +120,7 @@ from belayer_env.store.store import (
     CheckpointStore,  # noqa: E402
     owner_tag,  # noqa: E402
 )
-from benchmarks import _floors  # noqa: E402
+from benchmarks import _env_rollback, _floors  # noqa: E402
 from benchmarks._plotting import save_result  # noqa: E402
 
 HEAVY_SETUP = r"""
@@ -474,12 +474,15 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     out["standby"] = {"prepare_s": [], "restore_s": []}
     out["standby_phases"] = {}
     out["floors"] = {}
+    out["env_standby"] = {}
     out["fork"] = {"restore_s": []}
     out["fork_copied"] = {"restore_s": []}
     out["fork_pooled"] = {"restore_s": []}
     out["fork_ahead"] = {"restore_s": [], "prepare_s": []}
     out["fork_warm"] = {"restore_s": [], "prepare_s": [], "thaw_s": [], "verify_s": []}
     images: list[str] = []
+    env = _env_rollback.make_env(client, run_id, HEAVY_SETUP if scenario == "heavy" else None,
+                                 str(store.path / f"env-{scenario}"))
     try:
         for i in range(runs):
             ck = capture_pair(sb, store, i, out)
@@ -510,6 +513,8 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
             for k, v in phases.items():
                 out["standby_phases"].setdefault(k, []).append(v)
             settle()
+            _env_rollback.rollback_once(client, env, i, out["env_standby"])
+            settle()
             _floors.measure(client, sb, fork_n, out["floors"])
             if fork_n:
                 fork_pair(client, sb, ck, fork_n, i, out)
@@ -528,6 +533,7 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
                   f"frozen {dk['frozen_s'] * 1e3:.0f} ms, restore {out['docker']['restore_s'][-1] * 1e3:.0f} ms",
                   flush=True)
     finally:
+        env.close()
         fence(client, sb.name, background=False)
         for c in client.api.containers(all=True, filters={"name": f"belayer-bench-{run_id}"}):
             fence(client, c["Names"][0].lstrip("/"), background=False)
@@ -548,7 +554,8 @@ def summarize(samples: list[float]) -> dict:
 
 ROWS = (("belayer", "frozen_s", "frozen: incremental capture"), ("paused", "frozen_s", "frozen: paused capture"),
         ("docker", "frozen_s", "frozen: docker checkpoint"),
-        ("standby", "restore_s", "rollback onto a standby"), ("prestaged_spare", "restore_s", "restore: lost, into a spare"),
+        ("env_standby", "recovery_s", "env rollback onto a standby"),
+        ("standby", "restore_s", "rollback onto a standby (promote)"), ("prestaged_spare", "restore_s", "restore: lost, into a spare"),
         ("prestaged_lost", "restore_s", "restore: lost, pre-staged"), ("prestaged", "restore_s", "restore: pre-staged"),
         ("prestaged_copied", "restore_s", "restore: pre-staged, copied"), ("belayer", "restore_s", "restore: not pre-staged"),
         ("docker", "restore_s", "restore: docker start --checkpoint"), ("cold", "restore_s", "cold create + start"),
@@ -557,6 +564,7 @@ ROWS = (("belayer", "frozen_s", "frozen: incremental capture"), ("paused", "froz
         ("fork", "restore_s", "fork xN: shared layer"), ("fork_copied", "restore_s", "fork xN: a copy each"))
 """The plot's rows (method, metric, label), Belayer's paths first, each group above its baselines."""
 TARGETS_MS = {("belayer", "frozen_s"): (20, "heavy"), ("standby", "restore_s"): (5, None),
+              ("env_standby", "recovery_s"): (5, None),
               ("fork_warm", "restore_s"): (250, None), ("fork_ahead", "restore_s"): (250, None)}
 """Issue 35's targets (p50 ms, the one scenario they are set for or None for all), drawn on their rows."""
 
@@ -583,6 +591,8 @@ def verdicts(result: dict) -> list[dict]:
                                    "of it the memory dump (every page: no soft-dirty)": floors.get("criu_memdump_s"),
                                    "bare freezer freeze + thaw": floors.get("freeze_thaw_s")}
                 row["with_soft_dirty_estimate_ms"] = None if est is None else round(est * 1e3, 1)
+            elif method == "env_standby":
+                row["parts_ms"] = {k: round(v["p50"] * 1e3, 3) for k, v in data[method].items() if k != "recovery_s"}
             elif method == "standby":
                 row["phases_ms"] = {k: round(v["p50"] * 1e3, 3) for k, v in data.get("standby_phases", {}).items()
                                     if k.endswith("_s")}
@@ -613,7 +623,7 @@ def plot(result: dict, path: Path) -> None:
             p50, p90 = (data[method][metric][q] * 1e3 for q in ("p50", "p90"))
             grey = method in ("docker", "cold")
             ax.barh(y, p50, xerr=[[0], [max(p90 - p50, 0)]], capsize=2, height=0.7,
-                    color="0.65" if grey else f"C{['frozen_s', 'restore_s'].index(metric)}")
+                    color="0.65" if grey else f"C{0 if metric == 'frozen_s' else 1}")
             ax.text(max(p50, p90) * 1.06, y, f"{p50:.0f}", va="center", fontsize=7)
             target, only = TARGETS_MS.get((method, metric), (None, None))
             if target is not None and only in (None, scen):
@@ -687,7 +697,7 @@ def main() -> int:
                               f"{'ms' if k != 'size_bytes' else 'MB'} p90 {v['p90'] * (1e3 if k != 'size_bytes' else 1e-6):7.1f}"
                               for k, v in data.get(m, {}).items())
             print(f"  {LABELS[m]:31} {cells}")
-        for part in ("standby_phases", "floors"):
+        for part in ("env_standby", "standby_phases", "floors"):
             if data.get(part):
                 print(f"  {part} (p50): " + ", ".join(f"{k} {v['p50'] * (1e3 if k.endswith('_s') else 1):.2f}"
                                                      for k, v in data[part].items()))

@@ -259,6 +259,13 @@ class Checkpointer:
         finally:
             parts["restore"] = parts.get("restore", 0.0) + time.monotonic() - t
 
+    def standby_for(self, committed: int) -> bool:
+        """A prepared standby of the checkpoint a rollback at ``committed`` tries first."""
+        ready = [c for c in self.ready if c.step <= committed]
+        standby = self.standby
+        return (bool(ready) and standby is not None and standby.ready() and standby.checkpoint is not None
+                and standby.checkpoint.id == ready[-1].id)
+
     def _restore_newest(self, committed: int, client: docker.DockerClient, attempts: int,
                         spare: RestoreSpare | None) -> tuple[DockerSandbox, int] | None:
         tries, failures = 0, {}

@@ -25,19 +25,22 @@ class Rollback:
         detected = time.monotonic()
         self.policy.observe_failure()
         self.checkpointer.before_fence(k)  # a CRIU dump still running would wedge the fence
-        dead = self._kill_sandbox()
+        # a standby ready for this rollback fences the sandbox itself, through the kernel (a
+        # failed promotion falls back to a restore, which fences first as well)
+        standby = self.checkpointer.standby_for(k)
+        dead = [] if standby else self._kill_sandbox()
         parts = {"fence": time.monotonic() - detected}
         try:
-            return self._restore_after(error, k, detected, set(dead), while_idle, parts)
+            return self._restore_after(error, k, detected, set(dead), while_idle, parts, check_name=not standby)
         finally:
             # removed once the rollback is done: deleting a big dead layer beside the restore
             # slowed a heavy one by ~0.1 s (benchmarks/checkpoint_bench.py, prestaged_lost)
             remove_in_background(self.client, dead)
 
     def _restore_after(self, error: InfraError, k: int, detected: float, fenced: set[str], while_idle: bool,
-                       parts: dict[str, float]) -> tuple[str, float, bool, bool, dict]:
+                       parts: dict[str, float], check_name: bool = True) -> tuple[str, float, bool, bool, dict]:
         t = time.monotonic()
-        if self._name_blocked(fenced):
+        if check_name and self._name_blocked(fenced):
             # a container of this name cannot be removed (e.g. wedged by a hung CRIU dump):
             # checkpoints restore under this name, so only boundary 0, under a new name, is left
             self._record("restore_failed", at_step=k, error=SandboxLost(f"cannot fence {self.name}"))

@@ -35,11 +35,12 @@ def test_benchmark_is_repeatable_and_cleans_up(tmp_path, docker_client):
         result = json.loads(out.read_text())
         run_id = result["host"]["run_id"]
         idle = result["scenarios"]["idle"]
-        assert {m for m in idle if m not in ("raw", "belayer_detail", "standby_phases", "floors")} == {
+        assert {m for m in idle if m not in ("raw", "belayer_detail", "standby_phases", "floors", "env_standby")} == {
             "belayer", "paused", "prestaged", "prestaged_lost", "prestaged_spare", "prestaged_copied", "standby",
             "fork", "fork_copied", "fork_pooled", "fork_ahead", "fork_warm", "docker", "cold"}
         assert idle["belayer_detail"], "the incremental capture's breakdown is reported"
         assert {"fence_s", "thaw_s", "verify_s", "names_s"} <= set(idle["standby_phases"]), "the rollback's phases"
+        assert idle["env_standby"]["recovery_s"]["n"] == 1, "the env's own rollback onto its standby"
         assert {"freeze_thaw_s", "criu_frozen_s", "criu_memdump_s", "docker_list_s", "start_n_s"} <= set(idle["floors"])
         assert {(t["method"], t["scenario"]) for t in result["targets"]} >= {("standby", "idle"), ("fork_warm", "idle")}
         assert result["host"]["uptime_start"] and result["host"]["uptime_end"]
