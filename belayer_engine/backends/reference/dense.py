@@ -26,11 +26,7 @@ def dense_logits(cfg: ModelConfig, w: Mapping[str, torch.Tensor], ids: list[int]
     x = w["model.embed_tokens.weight"][torch.tensor(ids)]
     for i in range(cfg.num_hidden_layers):
         q, k, v = ops.layer_qkv(cfg, w, i, x, cos, sin, exact)
-        if exact:
-            attn = torch.stack([ops.attend_row(q[r], k[: r + 1], v[: r + 1], scale)
-                                for r in range(n)])
-        else:
-            attn = ops.attend_causal(q, k, v, scale)
+        attn = ops.attend_rows(q, k, v, 0, scale) if exact else ops.attend_causal(q, k, v, scale)
         x = ops.layer_out_mlp(cfg, w, i, x, attn.reshape(n, hq * d), exact)
     h = ops.rms_norm(x[-1:], w["model.norm.weight"], cfg.rms_norm_eps)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])

@@ -72,18 +72,20 @@ class Qwen3Model:
             blk[s.start : s.end] = table[pos // bs]
         blk = blk.to(self.device)
         off = (positions % bs).to(self.device)
-        cos, sin = self.cos[positions.to(self.device)], self.sin[positions.to(self.device)]
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         ragged = None if exact else ops.RaggedAttention(
             [(s.start, s.end, s.ctx_len, s.block_table) for s in seqs], positions, bs, self.device)
+        if exact:  # whole tiles of rows from the start: the exact products then copy nothing
+            ids, positions = ops.pad_rows(ids), ops.pad_rows(positions)
+        cos, sin = self.cos[positions.to(self.device)], self.sin[positions.to(self.device)]
 
         x = w["model.embed_tokens.weight"][ids.to(self.device)]
         for i in range(cfg.num_hidden_layers):
             q, k, v = ops.layer_qkv(cfg, w, i, x, cos, sin, exact)
-            kv[i, 0, blk, off] = k.to(kv.dtype)
-            kv[i, 1, blk, off] = v.to(kv.dtype)
+            kv[i, 0, blk, off] = k[:n].to(kv.dtype)
+            kv[i, 1, blk, off] = v[:n].to(kv.dtype)
             if exact:
-                attn = torch.empty_like(q)
+                attn = torch.zeros_like(q)  # padding rows attend to nothing
                 for s in seqs:
                     nblk = -(-s.ctx_len // bs)
                     table = torch.as_tensor(s.block_table[:nblk], dtype=torch.long,
@@ -91,12 +93,10 @@ class Qwen3Model:
                     kc = kv[i, 0, table].reshape(-1, hkv, d)[: s.ctx_len]
                     vc = kv[i, 1, table].reshape(-1, hkv, d)[: s.ctx_len]
                     first = s.ctx_len - (s.end - s.start)
-                    for r in range(s.start, s.end):
-                        L = first + (r - s.start) + 1
-                        attn[r] = ops.attend_row(q[r], kc[:L], vc[:L], self.scale)
+                    attn[s.start : s.end] = ops.attend_rows(q[s.start : s.end], kc, vc, first, self.scale)
             else:
                 attn = ragged.attend(q, k, v, kv[i, 0], kv[i, 1], self.scale)
-            x = ops.layer_out_mlp(cfg, w, i, x, attn.reshape(n, hq * d), exact)
+            x = ops.layer_out_mlp(cfg, w, i, x, attn.reshape(x.shape[0], hq * d), exact)
         last = torch.as_tensor([s.end - 1 for s in seqs], dtype=torch.long, device=self.device)
         h = ops.rms_norm(x[last], w["model.norm.weight"], cfg.rms_norm_eps)
         return ops.linear(h, self.lm_head, exact).float()
