@@ -110,7 +110,7 @@ class RunConfig(BaseModel):
     """Tasks sampled (from the task set) per step."""
     group_size: int = Field(default=4, ge=2)
     """Episodes per task and step (one GRPO group)."""
-    parallel: int = Field(default=6, ge=1)
+    parallel: int = Field(default=8, ge=1)
     """Episodes rolled out concurrently."""
     seed: int = 0
     """Seed of the task set, the rollouts and the fault schedule."""

@@ -7,7 +7,7 @@ loss (its tokens' mean): with a per-token mean, long failed episodes outweigh sh
 successful ones and push the policy apart (``benchmarks/grpo_loss_weighting.py``: at
 rl_lr 3e-4 reward rose in 13 seeds of 13 per episode vs 11 of 13 per token; at 1e-3, 6 of
 8 vs 1 of 8). A few PPO-style clipped epochs reuse the batch (ratios against the learner's
-own log-probs of the sampling weights, computed before the first epoch). Groups with no
+own log-probs of the sampling weights, taken from the first epoch's forward pass). Groups with no
 reward spread carry no signal and are skipped. Episodes touched by unrecovered infra
 failures or sampled from a stale version never enter a group.
 """
@@ -96,7 +96,9 @@ class Learner:
             scale = [w / episodes for w in weights]
         else:
             scale = [1.0 / tokens] * len(seqs)
-        old = self._logprobs(seqs) if self.cfg.epochs > 1 else None
+        # the sampling weights' log-probs come from the first epoch's own forward pass (filled
+        # in there, before its update): no separate no-grad pass over the batch
+        old: list[torch.Tensor | None] | None = [None] * len(seqs) if self.cfg.epochs > 1 else None
         for _ in range(self.cfg.epochs):  # PPO-style clipped epochs over the same on-policy batch
             loss, norm = self._pg_update(seqs, advs, scale, old)
         return {"tokens": tokens, "loss": round(loss, 4), "grad_norm": round(norm, 3)}
@@ -111,19 +113,12 @@ class Learner:
             chunks[-1].append(i)
         return chunks
 
-    @torch.no_grad()
-    def _logprobs(self, seqs: list) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-        for chunk in self._chunks(seqs):
-            lps = sequence_logprobs(self.model, [seqs[i] for i in chunk], temperature=self.cfg.temperature)
-            for i, lp in zip(chunk, lps, strict=True):
-                out[i] = lp
-        return out
-
     def _pg_update(self, seqs: list, advs: list[float], scale: list[float],
-                   old: list[torch.Tensor] | None) -> tuple[float, float]:
+                   old: list[torch.Tensor | None] | None) -> tuple[float, float]:
         """Accumulate the (clipped) policy-gradient loss chunk by chunk, then one optimizer step;
-        sequence i's token terms are weighted by ``scale[i]`` (see ``loss_agg``)."""
+        sequence i's token terms are weighted by ``scale[i]`` (see ``loss_agg``). An empty
+        ``old[i]`` is filled with this pass's detached log-probs (the first epoch: weights not
+        yet updated, so its ratios are exactly 1)."""
         eps, value = self.cfg.clip, 0.0
         for group in self.opt.param_groups:
             group["lr"] = self.cfg.rl_lr
@@ -135,6 +130,8 @@ class Learner:
                 if old is None:  # on-policy: ratio 1, plain REINFORCE with the group baseline
                     term = lp * advs[i]
                 else:
+                    if old[i] is None:
+                        old[i] = lp.detach()
                     ratio = torch.exp(lp - old[i])
                     term = torch.minimum(ratio * advs[i], ratio.clamp(1 - eps, 1 + eps) * advs[i])
                 loss = loss - term.sum() * scale[i]
