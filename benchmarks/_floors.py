@@ -90,17 +90,21 @@ def measure(client, sb: DockerSandbox, fork_n: int, out: dict[str, list[float]])
 def soft_dirty_estimate(scenarios: dict) -> dict:
     """What a kernel with CONFIG_MEM_SOFT_DIRTY would give, estimated from this run's pieces
     (an estimate, not a measurement): CRIU's pre-dump copies memory while the sandbox runs,
-    so the frozen dump writes only the pages dirtied since. Frozen time = the measured frozen
-    window minus CRIU's memory dump of this scenario, plus the memory dump of the idle
-    sandbox (its whole memory: more than one step dirties in a heavy one)."""
-    idle = scenarios.get("idle", {}).get("floors", {}).get("criu_memdump_s", {}).get("p50")
+    so the frozen dump writes only the pages dirtied since. Frozen time = the capture's
+    measured frozen window minus its own memory dump (``belayer_detail``), plus the idle
+    sandbox's whole memory dump (more than one agent step dirties in a heavy one)."""
+    def memdump(data: dict) -> float | None:
+        own = data.get("belayer_detail", {}).get("criu_memdump_s", {}).get("p50")
+        return own if own is not None else data.get("floors", {}).get("criu_memdump_s", {}).get("p50")
+
+    idle = memdump(scenarios.get("idle", {}))
     out = {}
     for name, data in scenarios.items():
         frozen = data.get("belayer", {}).get("frozen_s", {}).get("p50")
-        memdump = data.get("floors", {}).get("criu_memdump_s", {}).get("p50")
-        if frozen is None or memdump is None:
+        dumped = memdump(data)
+        if frozen is None or dumped is None:
             continue
-        dirty = idle if idle is not None else 0.0
-        out[name] = {"frozen_s_p50_estimate": max(frozen - memdump + min(dirty, memdump), 0.0),
-                     "memdump_s_p50_now": memdump, "dirty_memdump_s_assumed": min(dirty, memdump)}
+        dirty = min(idle if idle is not None else 0.0, dumped)
+        out[name] = {"frozen_s_p50_estimate": max(frozen - dumped + dirty, 0.0),
+                     "memdump_s_p50_now": dumped, "dirty_memdump_s_assumed": dirty}
     return out
