@@ -66,6 +66,11 @@ class ArenaClient:
         msg = {"op": "register_server", "url": url, "role": role, "pid": pid, "authorization": authorization}
         return int(self._call(msg)["version"])
 
+    def weight_cache(self) -> dict:
+        """The weight cache's state alone (registered servers, version): a small answer,
+        read on the handover's critical path."""
+        return self._call({"op": "weight_cache"})
+
     def shutdown(self) -> None:
         self._call({"op": "shutdown"})
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from belayer_core.config_flags import ConfigFlags
 
@@ -27,6 +27,15 @@ class ArenaConfig(BaseModel):
     ack_timeout_s: float = Field(30.0, gt=0, description="update_weights waits this long for every worker to switch")
     lease_wait_s: float = Field(2.0, gt=0, description="activation waits this long for the old worker's connection to close")
     weight_cache_socket: str | None = Field(None, description="also serve SGLang's weight-cache protocol on this Unix socket")
+    reference_slots: bool = Field(True, description="hold the reference worker's two weight slots and KV arena; "
+                                  "--no-reference-slots (needs --weight-cache-socket) keeps the weights once, "
+                                  "in SGLang's layout only")
+
+    @model_validator(mode="after")
+    def _holds_weights_somewhere(self) -> ArenaConfig:
+        if not self.reference_slots and not self.weight_cache_socket:
+            raise ValueError("reference_slots=False needs weight_cache_socket: the arena would hold no weights")
+        return self
 
 
 FLAGS = ConfigFlags(ArenaConfig)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import pickle
 import signal
 import socket
 import socketserver
@@ -37,6 +36,7 @@ from belayer_engine import owner
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
 from belayer_engine.arena.config import FLAGS, ArenaConfig, add_flags
+from belayer_engine.arena.payload import read_update
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights, load_safetensors_dir, torch_dtype
 
@@ -75,19 +75,20 @@ class ArenaServer:
             self.model = ModelConfig() if cfg.preset == "small" else ModelConfig.qwen3_4b()
             weights = init_weights(self.model, cfg.seed, self.device)
         self.dtype = torch_dtype(self.model.dtype)
-        self.layout, slot_nbytes = mem.weight_layout(self.model)
-        total_blocks = cfg.num_blocks + cfg.scratch_blocks  # scratch blocks sit at the end
-        sizes = {"w0": slot_nbytes, "w1": slot_nbytes,
-                 "kv": mem.kv_nbytes(self.model, total_blocks, cfg.block_size)}
+        self.layout, slot_nbytes = mem.weight_layout(self.model)  # HF names and shapes, in every mode
         self.regions: dict[str, torch.Tensor] = {}
         self.handles: dict[str, dict] = {}
-        for name, nbytes in sizes.items():
-            self.regions[name], self.handles[name] = mem.allocate(name, nbytes, self.device)
-        self.slots = [mem.weight_views(self.regions[s], self.layout, self.dtype)
-                      for s in ("w0", "w1")]
-        for name, t in weights.items():
-            self.slots[0][name].copy_(t)
-        self.regions["w1"].copy_(self.regions["w0"])
+        self.slots: list[dict[str, torch.Tensor]] = []  # none in an SGLang-only arena
+        if cfg.reference_slots:
+            total_blocks = cfg.num_blocks + cfg.scratch_blocks  # scratch blocks sit at the end
+            sizes = {"w0": slot_nbytes, "w1": slot_nbytes,
+                     "kv": mem.kv_nbytes(self.model, total_blocks, cfg.block_size)}
+            for name, nbytes in sizes.items():
+                self.regions[name], self.handles[name] = mem.allocate(name, nbytes, self.device)
+            self.slots = [mem.weight_views(self.regions[s], self.layout, self.dtype) for s in ("w0", "w1")]
+            for name, t in weights.items():
+                self.slots[0][name].copy_(t)
+            self.regions["w1"].copy_(self.regions["w0"])
         self.export = None  # SGLang servers map the weights through it (backends/sglang)
         if cfg.weight_cache_socket:
             from belayer_engine.backends.sglang.weight_cache import WeightCacheExport
@@ -95,6 +96,8 @@ class ArenaServer:
             self.export = WeightCacheExport(self.model, weights, cfg.weight_cache_socket, self.device)
             self.export.start()
         del weights
+        if self.device.type == "cuda":  # the loaded HF tensors' blocks go back to the device
+            torch.cuda.empty_cache()
         self.version, self.slot = 0, 0
         self.cond = threading.Condition()
         self.update_lock = threading.Lock()
@@ -138,8 +141,12 @@ class ArenaServer:
                 "weight_cache": self.export.describe() if self.export else None}
 
     def checksums(self) -> dict:
-        """sha256 of each weight slot, of the live KV blocks and of the scratch blocks."""
-        out = {name: mem.checksum(self.regions[name]) for name in ("w0", "w1")}
+        """sha256 of each weight slot, of the live KV blocks and of the scratch blocks (and of
+        the SGLang-layout weights when they are served)."""
+        out = {"weight_cache": mem.checksum(self.export.weights.flat.view(-1).view(torch.uint8))} if self.export else {}
+        if not self.slots:
+            return out
+        out.update({name: mem.checksum(self.regions[name]) for name in ("w0", "w1")})
         kv = mem.kv_view(self.regions["kv"], self.model, self.cfg.num_blocks +
                          self.cfg.scratch_blocks, self.cfg.block_size)
         out["kv"] = mem.checksum(kv[:, :, : self.cfg.num_blocks].contiguous().view(-1))
@@ -163,6 +170,8 @@ class ArenaServer:
         """
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise UsageError(f"version must be an int, got {version!r}")
+        if not self.slots:
+            return self._update_weight_cache_only(tensors, version)
         for name, t in tensors.items():
             if name not in self.layout:
                 raise UsageError(f"unknown weight {name!r}")
@@ -196,6 +205,20 @@ class ArenaServer:
                 self.export.update(tensors, version)
         return version
 
+    def _update_weight_cache_only(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
+        """No reference slots: the SGLang-layout weights are the only copy; written in place
+        while every registered server is paused (``WeightCacheExport.update``)."""
+        assert self.export is not None
+        self.export.weights.check(tensors)
+        with self.update_lock:
+            with self.cond:
+                if version is not None and version <= self.version:
+                    raise UsageError(f"version {version} is not newer than the current {self.version}")
+                self.version = self.version + 1 if version is None else version
+                version = self.version
+            self.export.update(tensors, version)
+        return version
+
     def register_server(self, msg: dict) -> dict:
         """An SGLang server mapping the weight cache: synced to the current version now,
         paused and synced on every later update."""
@@ -205,23 +228,6 @@ class ArenaServer:
             self.export.register(str(msg["url"]), str(msg.get("role", "worker")), int(msg.get("pid", 0)),
                                  self.version, msg.get("authorization"))
             return {"version": self.version}
-
-    def _read_update(self, msg: dict, rfile) -> dict[str, torch.Tensor]:
-        if "ipc" in msg:  # CUDA tensors of a trainer on this device, by IPC handle
-            handles = pickle.loads(__import__("base64").b64decode(msg["ipc"]))
-            return {name: fn(*args) for name, (fn, args) in handles.items()}
-        specs, total = msg.get("tensors"), 0
-        if not isinstance(specs, list):
-            raise UsageError("update_weights needs 'tensors' (a list) or 'ipc'")
-        for s in specs:
-            total += int(s["nbytes"])
-        if total != msg.get("payload_nbytes", 0):
-            raise UsageError("update_weights payload size does not match its tensors")
-        out = {}
-        for s in specs:
-            data = bytearray(rfile.read(int(s["nbytes"])))
-            out[s["name"]] = torch.frombuffer(data, dtype=torch_dtype(s["dtype"])).view(s["shape"])
-        return out
 
     # ------------------------------------------------------------------ connections
     def handle(self, sock: socket.socket) -> None:
@@ -244,9 +250,13 @@ class ArenaServer:
                 elif op == "checksums":
                     reply = self.checksums()
                 elif op == "update_weights":
-                    reply = {"version": self.update_weights(self._read_update(msg, rfile), msg.get("version"))}
+                    reply = {"version": self.update_weights(read_update(msg, rfile), msg.get("version"))}
                 elif op == "register_server":
                     reply = self.register_server(msg)
+                elif op == "weight_cache":
+                    if self.export is None:
+                        raise UsageError("this arena serves no weight cache (start it with --weight-cache-socket)")
+                    reply = self.export.describe()
                 elif op == "shutdown":
                     reply = {"status": "stopping"}  # sent first; the stop starts after the send below
                 else:
@@ -281,6 +291,9 @@ class ArenaServer:
         role = msg.get("role", "active")
         if role not in ("active", "shadow"):
             raise UsageError("attach role must be 'active' or 'shadow'")
+        if not self.slots:
+            raise UsageError("this arena holds no reference-worker slots (started with --no-reference-slots): "
+                             "only SGLang weight-cache clients map its weights")
         with self.cond:
             conn = _Attached(next(self._ids), role, str(msg.get("worker_id", "?")),
                              proto.peer_pid(sock), self.version, sock)

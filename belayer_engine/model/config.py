@@ -48,6 +48,14 @@ class ModelConfig:
                    max_position_embeddings=40960, tie_word_embeddings=True, dtype="bfloat16")
 
     @classmethod
+    def qwen3_14b(cls) -> ModelConfig:
+        """Qwen3-14B's shape (29.5 GB in bf16; GPU benchmarks with random weights)."""
+        return cls(vocab_size=151936, hidden_size=5120, intermediate_size=17408,
+                   num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
+                   head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   max_position_embeddings=40960, tie_word_embeddings=False, dtype="bfloat16")
+
+    @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """Build from a parsed HF ``config.json`` (Qwen3 / Qwen2 / Llama-like keys)."""
         try:

@@ -283,4 +283,5 @@ def _summary(choices: list[_Choice]) -> dict:
     per = [c.gen.summary() for c in choices]
     return {"recoveries": sum(s["recoveries"] for s in per),
             "regenerated_tokens": sum(s["regenerated_tokens"] for s in per),
+            "reprefilled_tokens": sum(s["reprefilled_tokens"] for s in per),
             "diverged": any(s["diverged"] for s in per), "choices": per}

@@ -48,6 +48,7 @@ class Generation:
     finish: dict | None = None
     recoveries: int = 0
     regenerated: int = 0
+    reprefilled: int = 0  # generated ids re-sent as input to a replacement worker (prefilled, not decoded)
     workers: list[str] = field(default_factory=list)
     weight_version: object = None
     weight_versions: list = field(default_factory=list)
@@ -59,6 +60,7 @@ class Generation:
             "rid": self.rid,
             "recoveries": self.recoveries,
             "regenerated_tokens": self.regenerated,
+            "reprefilled_tokens": self.reprefilled,
             "workers": self.workers,
             "failures": self.failures,
             "weight_version": self.weight_version,
@@ -114,6 +116,7 @@ class Continuation:
             replaying = after_worker_failure
             if replaying:
                 endpoint.replaying += 1
+                gen.reprefilled += keep
             progressed = False
             upstream = stream_generate(
                 self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,

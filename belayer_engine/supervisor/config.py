@@ -16,8 +16,11 @@ class SupervisorConfig(BaseModel):
     backend: Literal["reference", "sglang"] = Field(default="reference", description="kind of inference worker")
     sglang_venv: str | None = Field(default=None, description="SGLang venv (sglang backend); None = $BELAYER_SGLANG_VENV or /opt/belayer/sglang-venv")
     sglang_shadow_memory_saver: bool | None = Field(
-        default=None, description="sglang backend: shadows release KV + CUDA graphs until promoted "
+        default=None, description="sglang backend: shadows release their KV cache until promoted "
                                   "(GPU, torch_memory_saver); None = where available")
+    sglang_shadow_release_graphs: bool | None = Field(
+        default=None, description="sglang backend, with the memory saver: shadows release their decode CUDA "
+                                  "graphs too (~0.1 GB less while idle for a 4B model; promotion resumes them)")
 
     workers: int = Field(default=1, ge=1)
     shadow: bool = True
@@ -44,7 +47,8 @@ class SupervisorConfig(BaseModel):
     @model_validator(mode="after")
     def _sglang_options_need_sglang(self) -> SupervisorConfig:
         if self.backend != "sglang":
-            given = [name for name in ("sglang_venv", "sglang_shadow_memory_saver") if getattr(self, name) is not None]
+            given = [name for name in ("sglang_venv", "sglang_shadow_memory_saver",
+                                                  "sglang_shadow_release_graphs") if getattr(self, name) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to backend='sglang' (backend is {self.backend!r})")
         return self
@@ -58,10 +62,11 @@ class SupervisorConfig(BaseModel):
 def make_backend(config: SupervisorConfig):
     """The ``WorkerBackend`` that ``config.backend`` names."""
     if config.backend == "sglang":
-        from belayer_engine.backends.sglang.launcher import SGLangBackend
+        from belayer_engine.backends.sglang.backend import SGLangBackend
 
         return SGLangBackend(config.model, config.worker_args, config.sglang_venv, device=config.device,
-                             shadow_memory_saver=config.sglang_shadow_memory_saver)
+                             shadow_memory_saver=config.sglang_shadow_memory_saver,
+                             shadow_release_graphs=bool(config.sglang_shadow_release_graphs))
     from belayer_engine.backends.reference.launcher import ReferenceBackend
 
     return ReferenceBackend(config.worker_args)

@@ -50,15 +50,27 @@ class Handover:
                 health.cancel()
                 raise
             self._event(slot, "fenced", pid=proc.pid, fence_s=time.monotonic() - t0, reaped=reaped)
-            if not await self._arena_ok(slot, await health):
+            again = slot.promoted_at is not None and t0 - slot.promoted_at < cfg.unhealthy_window_s
+            # A shadow that shares nothing writable with the dead worker (isolated_kv) is
+            # promoted while the arena check runs; it is routed only if the arena is fine.
+            early = None
+            if reaped is False and not again:
+                early = asyncio.create_task(self._take_shadow(slot))
+            try:
+                arena_ok = await self._arena_ok(slot, await health)
+            except BaseException:
+                await self._drop_early(early)
+                raise
+            if not arena_ok:
+                await self._drop_early(early)
                 await self._cold_restart(slot, "arena unhealthy at handover")
                 return
-            if slot.promoted_at is not None and t0 - slot.promoted_at < cfg.unhealthy_window_s:
+            if again:
                 if not suspects:
                     await self._exclude(slot, f"replacement failed again {t0 - slot.promoted_at:.2f}s after handover: {reason}")
                     return
                 self._event(slot, "not_excluded", reason=f"{suspects} replayed request(s) without a token on the failed worker")
-            new, path = await self._take_shadow(slot), "shadow"
+            new, path = (await early if early is not None else await self._take_shadow(slot)), "shadow"
             if new is None:
                 path = "cold"
                 try:
@@ -71,6 +83,15 @@ class Handover:
             slot.handovers += 1
             self._event(slot, "handover", path=path, total_s=slot.promoted_at - t0)
             self._rearm(slot)
+
+    async def _drop_early(self, early: asyncio.Task | None) -> None:
+        """A shadow promoted during the arena check that will not be routed: fenced."""
+        if early is None:
+            return
+        with contextlib.suppress(BaseException):  # not cancelled: a half-promoted shadow would leak
+            taken = await early
+            if taken is not None:
+                await fence(taken, self.config.fence_timeout_s)
 
     async def _fence_for_handover(self, slot: Slot, proc: Proc) -> bool:
         """Fence the failed worker; True when it was also reaped before returning.

@@ -103,3 +103,64 @@ def test_gc_reaps_the_shm_files_of_a_killed_arena_only(tmp_path, procs):
     assert left <= set(gc()["arena_files"])
     assert not files_of(dead_pid), "the dead arena's files are still there"
     assert files_of(live.pid) == kept, "a live arena's files were touched"
+
+
+def _fetch_weight_cache(path: str) -> dict[str, torch.Tensor]:
+    """SGLang's own request on the weight-cache socket; the tensors mapped here (no copy)."""
+    import base64
+    import io
+    import pickle
+    import socket
+    import struct
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        req = pickle.dumps({"type": "fetch_state", "config": {"tp_size": 1, "pp_size": 1}})
+        s.sendall(struct.pack("!I", len(req)) + req)
+        (n,) = struct.unpack("!I", s.recv(4, socket.MSG_WAITALL))
+        reply = pickle.loads(s.recv(n, socket.MSG_WAITALL))
+    assert reply["status"] == "ok"
+    return {k: pickle.load(io.BytesIO(base64.b64decode(e["handle"]))) for k, e in reply["entries"].items()}
+
+
+def test_an_sglang_only_arena_holds_the_weights_once(tmp_path, procs):
+    """--no-reference-slots: no weight slots, no KV region; the SGLang layout is the only
+    copy, updates land in it in place under a new version, reference workers are refused."""
+    wsock = str(tmp_path / "wcache.sock")
+    arena = Arena(tmp_path, "--weight-cache-socket", wsock, "--no-reference-slots")
+    procs.append(arena)
+    c = arena.client
+    d = c.describe()
+    assert d["regions"] == {} and d["weight_cache"]["nbytes"] > 0
+    assert "model.norm.weight" in d["layout"]  # HF names and shapes for learners, as before
+    maps = Path(f"/proc/{arena.pid}/maps").read_text()
+    assert "belayer-arena-" not in maps  # no slot or KV file mapped: one copy, SGLang's
+    assert set(c.checksums()) == {"weight_cache"}
+
+    cached = _fetch_weight_cache(wsock)
+    norm = cached["model.norm.weight"]
+    w = init_weights(ModelConfig(), 5)
+    assert not torch.equal(norm, w["model.norm.weight"])
+    before = c.checksums()["weight_cache"]
+    assert c.update_weights({"model.norm.weight": w["model.norm.weight"]}) == 1
+    assert torch.equal(norm, w["model.norm.weight"])  # written in place into the mapped tensor
+    assert c.checksums()["weight_cache"] != before and c.describe()["version"] == 1
+    with pytest.raises(UsageError, match="unknown weight"):
+        c.update_weights({"nope": torch.zeros(2)})
+    with pytest.raises(UsageError, match="shape"):
+        c.update_weights({"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(UsageError, match="not newer"):
+        c.update_weights({"model.norm.weight": norm.clone()}, version=1)
+    assert c.describe()["version"] == 1 and c.weight_cache()["version"] == 1
+    with pytest.raises(UsageError, match="no reference-worker slots"):
+        c.attach("active", "w", lambda version, slot: None)
+
+
+def test_an_arena_without_any_weights_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "belayer_engine.arena", "--socket", str(tmp_path / "a.sock"),
+                          "--no-reference-slots"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "needs weight_cache_socket" in out.stderr

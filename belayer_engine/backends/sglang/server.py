@@ -35,7 +35,8 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
     p.add_argument("--worker-id", default=None, help="for the supervisor's logs only")
     p.add_argument("--shadow", action="store_true", help="informational: a shadow is a started server")
     p.add_argument("--key-dir", default=None, help="where the 0600 api-key file goes (default: $TMPDIR)")
-    p.add_argument("--memory-saver", action="store_true", help="GPU: KV and CUDA graphs releasable (shadows)")
+    p.add_argument("--memory-saver", action="store_true", help="GPU: the KV cache is releasable (shadows)")
+    p.add_argument("--memory-saver-graphs", action="store_true", help="with --memory-saver: CUDA graphs too")
     args, extra = p.parse_known_args(argv)
     secret = worker_auth.take_from_env()
     if secret:
@@ -45,7 +46,8 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
         extra = [*extra, "--config", path]
     return SGLangServerConfig(model_path=args.model_path, host=args.host, port=args.port, device=args.device,
                               weight_cache_socket=args.weight_cache_socket, venv=args.venv,
-                              memory_saver=args.memory_saver, extra_args=extra)
+                              memory_saver=args.memory_saver,
+                              memory_saver_graphs=args.memory_saver_graphs, extra_args=extra)
 
 
 def main(argv: list[str] | None = None) -> int:

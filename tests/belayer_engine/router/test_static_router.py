@@ -92,6 +92,7 @@ def test_static_router_cli_survives_sigkill_mid_stream(tmp_path, procs):
     assert [w.split("#")[0] for w in summary["workers"]] == [victim_slot, survivor_slot], summary
     (failure,) = summary["failures"]
     assert KILL_AT <= failure["at_token"] < MAX_TOKENS, failure
+    assert summary["reprefilled_tokens"] == failure["at_token"], summary  # every id so far went back as input
 
     # The dead worker is out of routing (it does not answer /health); the survivor serves.
     live = _wait_live(router, 1)

@@ -101,7 +101,7 @@ def test_the_arena_accepts_the_sglang_backends_options(tmp_path):
 
     from belayer_engine.arena.config import FLAGS, add_flags
     from belayer_engine.backends.base import SlotSpec
-    from belayer_engine.backends.sglang.launcher import SGLangBackend
+    from belayer_engine.backends.sglang.backend import SGLangBackend
 
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -132,7 +132,7 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
 
     from belayer_core.errors import ConfigError
     from belayer_engine.backends.base import SlotSpec, WorkerSpec
-    from belayer_engine.backends.sglang.launcher import SGLangBackend
+    from belayer_engine.backends.sglang.backend import SGLangBackend
     from belayer_engine.supervisor.config import SupervisorConfig
 
     monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
@@ -152,10 +152,25 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
     shadow = backend.worker_argv(slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
     worker = backend.worker_argv(slot, WorkerSpec(worker_id="w", host="127.0.0.1", port=8, shadow=False))
     assert "--memory-saver" in shadow and "--memory-saver" not in worker
+    assert "--memory-saver-graphs" not in shadow and backend.releasable == ("kv_cache",)  # graphs stay resident
+    assert shadow[shadow.index("--cuda-graph-max-bs-prefill") + 1] == "512"  # small prefill graphs, shadow only
+    assert "--cuda-graph-max-bs-prefill" not in worker
+    own = SGLangBackend("m", ["--cuda-graph-max-bs-prefill", "64"], venv=saver, device="cuda:0")
+    argv = own.worker_argv(slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
+    assert argv.count("--cuda-graph-max-bs-prefill") == 1 and argv[-1] == "64"  # the user's choice wins
+    graphs_too = SGLangBackend("m", venv=saver, device="cuda:0", shadow_release_graphs=True)
+    assert graphs_too.releasable == ("kv_cache", "cuda_graph")
+    assert "--memory-saver-graphs" in graphs_too.worker_argv(
+        slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
+    with pytest.raises(ConfigError, match="needs the shadow memory saver"):
+        SGLangBackend("m", venv=plain, device="cuda:0", shadow_release_graphs=True)
 
     on_gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=saver, memory_saver=True)
     argv, env = server_argv(on_gpu), server_env(on_gpu, base={})
-    assert {"--enable-memory-saver", "--disable-prefill-cuda-graph"} <= set(argv)
-    assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # without it the cuda_graph tag frees nothing
+    assert "--enable-memory-saver" in argv and "--disable-prefill-cuda-graph" not in argv
+    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in env  # graphs outside the saver: never released
+    with_graphs = on_gpu.model_copy(update={"memory_saver_graphs": True})
+    assert server_env(with_graphs, base={})["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # else the tag frees nothing
+    assert "--disable-prefill-cuda-graph" in server_argv(with_graphs)  # not capturable under the graph hook
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         server_argv(SGLangServerConfig(model_path="m", port=9, device="cpu", venv=saver, memory_saver=True))

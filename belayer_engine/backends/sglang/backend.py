@@ -1,0 +1,211 @@
+"""SGLang servers as the engine's workers and shadows (a ``WorkerBackend``), on the arena's weights.
+
+The slot's arena serves SGLang's weight-cache protocol (``weight_cache.py``) and holds the
+weights once, in SGLang's layout (``--no-reference-slots``), so a worker and its shadow map
+one copy. A shadow is a started SGLang server kept out of the routing table (SGLang has no
+"do not serve" mode). Ready = ``/health`` answers 200, the shadow has run its warm-up, and
+the arena registered the server (flushed, version set; every weight update re-syncs it).
+
+What a shadow does before it waits: a warm-up (two short greedy requests: every kernel of
+a prefill and a decode is loaded and compiled, so the first request after promotion pays
+none of it), then, on a GPU with ``torch_memory_saver`` in SGLang's environment, it
+releases its KV cache (``shadow_memory_saver``: None = where available, True = required,
+False = off). Its CUDA graphs stay resident (decode, and prefill up to 512 tokens: ~0.27 GB
+more for a 4B model) unless ``shadow_release_graphs``; promotion then only resumes the KV
+cache, while the arena is asked whether the shadow is still registered. Without the saver
+the shadow keeps its KV resident too: promotion resumes nothing (the fastest handover, at
+the KV's size in GPU memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from belayer_core.errors import BelayerError, ConfigError, WorkerLost
+
+from .launcher import has_package, is_cpu, venv_dir, venv_python
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT_LENS = (16, 256)  # token ids of two warm-up prompts (prefill kernels at two sizes)
+SHADOW_PREFILL_GRAPH_TOKENS = 512
+PREFILL_GRAPH_FLAGS = ("--cuda-graph-max-bs-prefill", "--piecewise-cuda-graph-max-tokens", "--disable-prefill-cuda-graph")
+
+
+class SGLangBackend:
+    """Start, register, warm, release and promote SGLang servers for the supervisor."""
+
+    name = "sglang"
+    isolated_kv = True  # each server owns its KV; weights are read-only to it
+
+    def __init__(self, model: str | None, extra_args: list[str] | None = None, venv: str | None = None,
+                 device: str = "cpu", shadow_memory_saver: bool | None = None,
+                 shadow_release_graphs: bool = False) -> None:
+        if model is None:
+            from .model_dir import embedded_config, ensure_embedded_model
+
+            # SGLang's GPU kernels (RMSNorm, attention) take half precision only.
+            model = str(ensure_embedded_model(cfg=None if is_cpu(device) else embedded_config(dtype="bfloat16")))
+        self.model = model
+        self.venv = venv
+        self.extra_args = list(extra_args or [])
+        venv_python(venv)  # fail now, naming the set-up script, not after a 3-minute timeout
+        self.shadow_memory_saver = self._saver_wanted(device, shadow_memory_saver)
+        if shadow_release_graphs and not self.shadow_memory_saver:
+            raise ConfigError("sglang_shadow_release_graphs needs the shadow memory saver (a CUDA device with "
+                              "torch_memory_saver in SGLang's environment)")
+        # The weights belong to the arena: never released.
+        self.releasable = ("kv_cache", "cuda_graph") if shadow_release_graphs else ("kv_cache",)
+        self._arena_of: dict[str, str] = {}  # worker url -> arena socket
+        self._released: set[str] = set()  # shadows whose KV (and graphs) are released
+
+    def _saver_wanted(self, device: str, wanted: bool | None) -> bool:
+        if wanted is False:
+            return False
+        if is_cpu(device):
+            if wanted:
+                raise ConfigError("sglang_shadow_memory_saver needs a CUDA device; device is cpu")
+            return False
+        present = has_package("torch_memory_saver", self.venv)
+        if wanted and not present:
+            raise ConfigError("sglang_shadow_memory_saver: torch_memory_saver is not installed in SGLang's "
+                              f"environment ({venv_dir(self.venv)} or $BELAYER_SGLANG_PYTHONPATH)")
+        return present
+
+    @staticmethod
+    def weight_cache_socket(slot) -> str:
+        return str(Path(slot.run_dir) / f"wcache-{slot.name}.sock")
+
+    def arena_argv(self, slot) -> list[str]:
+        # KV lives inside each SGLang server and the weights in SGLang's layout only.
+        return ["--model-dir", self.model, "--weight-cache-socket", self.weight_cache_socket(slot),
+                "--no-reference-slots"]
+
+    def worker_argv(self, slot, spec) -> list[str]:
+        self._arena_of[f"http://{spec.host}:{spec.port}"] = str(slot.arena_socket)
+        argv = ["-m", "belayer_engine.backends.sglang.server", "--model-path", self.model,
+                "--host", spec.host, "--port", str(spec.port), "--device", slot.device,
+                "--weight-cache-socket", self.weight_cache_socket(slot), "--worker-id", spec.worker_id,
+                "--key-dir", str(slot.run_dir)]
+        if self.venv:
+            argv += ["--venv", self.venv]
+        if spec.shadow and self.shadow_memory_saver:
+            argv.append("--memory-saver")
+            if "cuda_graph" in self.releasable:
+                argv.append("--memory-saver-graphs")
+        if spec.shadow and not is_cpu(slot.device) and "cuda_graph" not in self.releasable \
+                and not any(a.startswith(PREFILL_GRAPH_FLAGS) for a in self.extra_args):
+            # Prefill CUDA graphs for the re-prefill after a handover, kept small: up to 512
+            # tokens they cost ~0.27 GB on a 4B model (SGLang's default, 4096, ~1.3 GB).
+            argv += ["--cuda-graph-max-bs-prefill", str(SHADOW_PREFILL_GRAPH_TOKENS)]
+        return argv + (["--shadow"] if spec.shadow else []) + self.extra_args
+
+    def worker_env(self, base: dict[str, str]) -> dict[str, str]:
+        return dict(base)  # server.py builds SGLang's own environment before it execs
+
+    async def _register(self, session, url: str, role: str) -> int:
+        """The arena pauses, flushes and re-versions the server on every weight update; it
+        gets the worker secret's header for that over its 0600 same-uid socket."""
+        from belayer_engine.arena.client import ArenaClient
+
+        client = ArenaClient(self._arena_of[url], timeout=60)
+        return await asyncio.to_thread(client.register_server, url, role, 0, session.headers.get("Authorization"))
+
+    async def _warm_up(self, session, url: str, timeout: float = 300) -> None:
+        """Two short greedy requests on an unrouted shadow: the kernels of its first real
+        request (a re-prefill) are then loaded and compiled already. Its own KV only."""
+        import aiohttp
+
+        for n in WARMUP_PROMPT_LENS:
+            body = {"input_ids": [1 + i % 200 for i in range(n)], "stream": False,
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+            try:
+                async with session.post(url + "/generate", json=body,
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                    if resp.status != 200:  # e.g. a context length under the prompt: warm what fits
+                        log.warning("%s: warm-up of %d tokens answered %d: %s", url, n, resp.status,
+                                    (await resp.text())[:200])
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                raise WorkerLost(f"{url} warm-up failed: {exc!r}") from exc
+
+    async def ready(self, session, url: str, shadow: bool) -> bool:
+        from belayer_engine.supervisor.processes import http_status
+
+        if (await http_status(session, url + "/health"))[0] != 200:
+            return False
+        if shadow:
+            await self._warm_up(session, url)
+        await self._register(session, url, "shadow" if shadow else "worker")  # flushes the warm-up's cache
+        if shadow and self.shadow_memory_saver:  # idle and unrouted: safe to release
+            await self._memory(session, url, "release", timeout=60)
+            self._released.add(url)
+        return True
+
+    async def _memory(self, session, url: str, action: str, timeout: float) -> None:
+        """``/release_memory_occupation`` or ``/resume_memory_occupation`` of what this
+        backend releases; WorkerLost when the server refuses."""
+        import aiohttp
+
+        try:
+            async with session.post(f"{url}/{action}_memory_occupation", json={"tags": list(self.releasable)},
+                                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    raise WorkerLost(f"{url}/{action}_memory_occupation answered {resp.status}: {(await resp.text())[:200]}")
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise WorkerLost(f"{url}/{action}_memory_occupation failed: {exc!r}") from exc
+
+    async def promote(self, session, url: str, timeout: float) -> float | None:
+        """Resume what the shadow released while the arena says whether it is still
+        registered (both before anything is routed to it); re-sync it if it is not."""
+        t0 = time.perf_counter()
+        synced = asyncio.create_task(self._synced(url))
+        try:
+            if url in self._released:
+                await self._memory(session, url, "resume", timeout)
+                self._released.discard(url)
+            registered = await synced
+        except BaseException:
+            synced.cancel()
+            raise
+        try:
+            if not registered:  # dropped from an update: flush and re-sync first
+                if not await self.flush(session, url, timeout):
+                    raise WorkerLost(f"promote: {url}/flush_cache refused")
+                await self._register(session, url, "worker")
+        except BelayerError as exc:
+            raise WorkerLost(f"promote: arena refused {url}: {exc}") from exc
+        return time.perf_counter() - t0
+
+    async def _synced(self, url: str) -> bool:
+        """True while the arena lists the shadow as registered: it then maps the current
+        weights and reports the current version (every update synced it), and its cache
+        holds nothing but the flushed warm-up, so promotion has nothing left to do."""
+        from belayer_engine.arena.client import ArenaClient
+
+        try:
+            info = await asyncio.to_thread(ArenaClient(self._arena_of[url], timeout=30).weight_cache)
+        except BelayerError as exc:
+            raise WorkerLost(f"promote: arena check of {url} failed: {exc}") from exc
+        return any(s["url"] == url for s in info.get("servers", []))
+
+    async def healthy(self, session, url: str, timeout: float) -> bool:
+        import aiohttp
+
+        from belayer_engine.supervisor.processes import http_status
+
+        try:
+            return (await http_status(session, url + "/health", timeout))[0] == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def flush(self, session, url: str, timeout: float) -> bool:
+        import aiohttp
+
+        try:
+            async with session.post(url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
