@@ -5,6 +5,7 @@ among the sharers, "private" is memory no other process shares. Linux only."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 FIELDS = ("rss", "pss", "shared", "private")
@@ -41,3 +42,20 @@ def tree_mib(pid: int, fields: tuple[str, ...] = FIELDS) -> tuple[int, dict[str,
         except OSError:
             continue
     return len(procs), {k: round(sum(m[k] for m in procs), 1) for k in fields}
+
+
+def gpu_mib() -> dict[int, float]:
+    """Per-process GPU memory (MiB) from nvidia-smi; empty without a GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
+    return {int(a): float(b) for a, b in rows}
+
+
+def tree_gpu_mib(gpu: dict[int, float], pid: int) -> float | None:
+    """GPU MiB of a process and its descendants (an SGLang server's scheduler holds it)."""
+    used = [gpu[p] for p in tree(pid) if p in gpu]
+    return sum(used) if used else None

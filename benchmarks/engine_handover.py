@@ -96,19 +96,46 @@ def _breakdown(events: list[dict], t_kill: float, t_client: float) -> dict:
 
 async def _stream(base_url: str, max_tokens: int, kill_at: int, pid: int) -> dict:
     arrivals: list[float] = []
+    ids: list[int] = []
     t_kill = None
     summary: dict = {}
     async with EngineClient(base_url) as client:
         async for chunk in client.stream_complete(PROMPT, max_tokens=max_tokens, temperature=0, ignore_eos=True):
             for choice in chunk["choices"]:
                 now = time.monotonic()
+                ids += choice.get("token_ids", [])
                 arrivals += [now] * len(choice.get("token_ids", []))
                 if t_kill is None and len(arrivals) >= kill_at:
                     t_kill = time.monotonic()
                     os.kill(pid, signal.SIGKILL)
                 if choice.get("finish_reason"):
                     summary = chunk.get("belayer", {})
-    return {"arrivals": arrivals, "t_kill": t_kill, "summary": summary}
+    return {"arrivals": arrivals, "ids": ids, "t_kill": t_kill, "summary": summary}
+
+
+def _first_mismatch(got: list[int], want: list[int]) -> int | None:
+    """Index of the first id that differs from the fault-free run (None: identical)."""
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+async def _throughput(base_url: str, batch: int, max_tokens: int) -> dict:
+    """``batch`` greedy streams at once through the engine: generated tokens per second."""
+    async def one(client: EngineClient, i: int) -> int:
+        n = 0
+        async for chunk in client.stream_complete(f"{PROMPT} ({i})", max_tokens=max_tokens, temperature=0,
+                                                  ignore_eos=True):
+            n += sum(len(c.get("token_ids", [])) for c in chunk["choices"])
+        return n
+
+    async with EngineClient(base_url) as client:
+        t0 = time.monotonic()
+        counts = await asyncio.gather(*(one(client, i) for i in range(batch)))
+        wall = time.monotonic() - t0
+    return {"batch": batch, "max_tokens": max_tokens, "tokens": sum(counts), "wall_s": wall,
+            "tokens_per_s": sum(counts) / wall}
 
 
 def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
@@ -117,9 +144,10 @@ def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
     runs, extra = [], {}
     with RecoverableEngine.launch(workers=1, shadow=shadow, device=args.device, model=args.model_dir,
                                   router=router, unhealthy_window_s=0.0, arena_args=args.arena_arg,
-                                  start_timeout_s=600, **_backend(args)) as eng:
-        eng.wait_ready(timeout=600)
+                                  worker_args=args.worker_arg, start_timeout_s=900, **_backend(args)) as eng:
+        eng.wait_ready(timeout=900)
         asyncio.run(_stream(eng.base_url, 8, 10**9, 0))  # warm-up (nothing killed)
+        reference = asyncio.run(_stream(eng.base_url, args.max_tokens, 10**9, 0))["ids"] if args.identity else None
         for _ in range(args.repeats):
             eng.wait_ready(timeout=600, stable=True)
             pid = eng.worker_pid(0)
@@ -139,13 +167,22 @@ def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
                 "supervisor_handover_s": handover[0]["total_s"] if handover else None,
                 "routed_to_first_token_s": (first_new - routed[0]) if routed else None,
                 "breakdown": _breakdown(eng.events(), r["t_kill"], first_new),
+                "reprefilled_tokens": r["summary"].get("reprefilled_tokens"),
             })
+            if reference is not None:  # the same greedy request without a fault
+                runs[-1]["first_mismatch"] = _first_mismatch(r["ids"], reference)
+                runs[-1]["identical"] = runs[-1]["first_mismatch"] is None
             print(mode, json.dumps(runs[-1]), flush=True)
         if shadow:
-            eng.wait_ready(timeout=600)
+            eng.wait_ready(timeout=900)
             slot = eng.status()["slots"]["w0"]
             starts = [e["start_s"] for e in eng.events() if e["event"] == "shadow_ready"]
-            extra = {"shadow_init_s": starts, "memory": _memory(slot["worker_pid"], slot["shadow_pid"])}
+            extra = {"shadow_init_s": starts,
+                     "memory": _memory(slot["worker_pid"], slot["shadow_pid"], slot.get("arena_pid"))}
+            if args.throughput:
+                extra["throughput"] = [asyncio.run(_throughput(eng.base_url, b, args.throughput_tokens))
+                                       for b in args.throughput]
+                print("throughput", json.dumps(extra["throughput"]), flush=True)
     return runs, extra
 
 
@@ -193,6 +230,9 @@ def measure_cold_disk(args, rng: random.Random) -> list[dict]:
     proc, url = start()
     try:
         wait_healthy(proc, url)
+        next(iter(stream(url, 8)))  # one request, as the engine's worker has served before it is measured
+        plain_gpu = procmem.tree_gpu_mib(procmem.gpu_mib(), proc.pid)
+        print("cold-disk server GPU MiB", plain_gpu, flush=True)
         for _ in range(args.repeats):
             kill_at = rng.randint(args.max_tokens // 4, args.max_tokens // 2)
             got = 0
@@ -216,7 +256,7 @@ def measure_cold_disk(args, rng: random.Random) -> list[dict]:
                          "handover_path": "cold-disk", "restart_to_healthy_s": t_healthy - t_kill,
                          "supervisor_handover_s": None, "routed_to_first_token_s": t_first - t_healthy,
                          "breakdown": {"restart_s": t_healthy - t_kill, "first_chunk_s": t_first - t_healthy},
-                         "first_ids": len(first.get("output_ids") or [])})
+                         "first_ids": len(first.get("output_ids") or []), "plain_server_gpu_mib": plain_gpu})
             print("cold-disk", json.dumps(runs[-1]), flush=True)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -229,7 +269,8 @@ def _backend(args) -> dict:
     if args.backend != "sglang":
         return {}
     saver = {"auto": None, "on": True, "off": False}[args.sglang_shadow_memory_saver]
-    return {"backend": "sglang", "sglang_venv": args.sglang_venv, "sglang_shadow_memory_saver": saver}
+    return {"backend": "sglang", "sglang_venv": args.sglang_venv, "sglang_shadow_memory_saver": saver,
+            "sglang_shadow_release_graphs": args.sglang_shadow_release_graphs or None}
 
 
 def _tree_mib(pid: int) -> dict:
@@ -247,28 +288,16 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-def _gpu_mib() -> dict[int, float]:
-    """Per-process GPU memory from nvidia-smi (empty without a GPU)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
-    return {int(a): float(b) for a, b in rows}
-
-
-def _tree_gpu(gpu: dict[int, float], pid: int) -> float | None:
-    """GPU MiB of a process and its children (an SGLang server's scheduler holds it)."""
-    used = [gpu[p] for p in procmem.tree(pid) if p in gpu]
-    return sum(used) if used else None
-
-
-def _memory(worker_pid: int, shadow_pid: int) -> dict:
-    gpu = _gpu_mib()
-    return {"worker_rss_mib": _rss_mib(worker_pid), "shadow_rss_mib": _rss_mib(shadow_pid),
-            "worker_gpu_mib": _tree_gpu(gpu, worker_pid), "shadow_gpu_mib": _tree_gpu(gpu, shadow_pid),
-            "worker_tree_mib": _tree_mib(worker_pid), "shadow_tree_mib": _tree_mib(shadow_pid)}
+def _memory(worker_pid: int, shadow_pid: int, arena_pid: int | None = None) -> dict:
+    gpu = procmem.gpu_mib()
+    out = {"worker_rss_mib": _rss_mib(worker_pid), "shadow_rss_mib": _rss_mib(shadow_pid),
+           "worker_gpu_mib": procmem.tree_gpu_mib(gpu, worker_pid), "shadow_gpu_mib": procmem.tree_gpu_mib(gpu, shadow_pid),
+           "worker_tree_mib": _tree_mib(worker_pid), "shadow_tree_mib": _tree_mib(shadow_pid)}
+    if arena_pid is not None:
+        out["arena_gpu_mib"] = procmem.tree_gpu_mib(gpu, arena_pid)
+        parts = [out[k] for k in ("arena_gpu_mib", "worker_gpu_mib", "shadow_gpu_mib")]
+        out["engine_gpu_mib"] = sum(parts) if all(v is not None for v in parts) else None
+    return out
 
 
 def regenerated(args, rng: random.Random) -> dict:
@@ -294,7 +323,8 @@ def regenerated(args, rng: random.Random) -> dict:
 
 def _stats(xs: list[float]) -> dict:
     xs = [x for x in xs if x is not None]
-    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+    return ({"mean": statistics.fmean(xs), "p50": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+            if xs else {})
 
 
 def plot(result: dict, path: Path) -> None:
@@ -351,6 +381,15 @@ def main() -> None:
     p.add_argument("--sglang-venv", default=None)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--arena-arg", action="append", default=[], help="extra arena option (repeatable)")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra worker option, e.g. --worker-arg=--enable-deterministic-inference (repeatable)")
+    p.add_argument("--sglang-shadow-release-graphs", action="store_true",
+                   help="the SGLang shadow also releases its decode CUDA graphs while idle")
+    p.add_argument("--identity", action="store_true",
+                   help="compare every continued response with the same request's fault-free greedy ids")
+    p.add_argument("--throughput", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="after the kills: greedy streams at once through the engine, e.g. 1,16")
+    p.add_argument("--throughput-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--regen-repeats", type=int, default=None, help="runs per recovery mode (default: --repeats; 0 skips)")
     p.add_argument("--tag", default="", help="suffix of the result file names")
@@ -367,7 +406,7 @@ def main() -> None:
     _instrument_router()
     rng = random.Random(7)
     result = {"device": args.device, "backend": args.backend, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
-              "runs": {}}
+              "worker_args": args.worker_arg, "model_dir": args.model_dir, "runs": {}}
     for mode in args.modes.split(","):
         if mode == "cold-disk":
             if args.backend != "sglang":

@@ -10,11 +10,12 @@
 #   - flashinfer 0.6.15.post1: drop data/cutlass and data/cccl only (its norm JIT needs
 #     data/csrc and data/include; the whole wheel ran there, this slim one compiled the norm
 #     kernel with nvcc 13.0 on a CPU machine)
-# Output: OUT (default build/sglang-gpu-bundle/) with the wheels, and OUT-extra with aiohttp
-# and its small dependencies (the engine's own; together they pass the 64 MiB one device call
-# carries, so they travel in two calls). openai stays below 2 (the newest imports httpx2).
-# On the device: `python3 -m zipfile -e` each wheel into one folder, put it
-# on PYTHONPATH, then `python3 -m compileall -q` it once.
+# Output: OUT (default build/sglang-gpu-bundle/) with the wheels, OUT-extra with aiohttp and
+# its small dependencies (the engine's own) and torch_memory_saver, and OUT.tar.xz: every
+# wheel of both unpacked into one folder `sgl/`, packed with xz (~42 MiB: with the project it
+# fits the 64 MiB one device call carries). openai stays below 2 (the newest imports httpx2).
+# On the device: `bash benchmarks/sglang_gpu_env.sh CMD...` unpacks it once into /tmp/sgl,
+# compiles it, and runs CMD with SGLang's environment.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-$ROOT/build/sglang-gpu-bundle}
@@ -80,3 +81,12 @@ echo "    memory saver: abi3, cu12 + cu13 hooks) into $EXTRA"
 pip download --disable-pip-version-check -q --no-deps "${PLATFORM[@]}" -d "$EXTRA" \
   aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs torch_memory_saver==0.0.10
 echo "    $(ls "$EXTRA" | wc -l) wheels, $(du -sm "$EXTRA" | cut -f1) MiB"
+
+PACK=${OUT%/}.tar.xz
+echo "==> one archive for one device call: $PACK"
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$STAGE/sgl"
+for whl in "$OUT"/*.whl "$EXTRA"/*.whl; do python3 -m zipfile -e "$whl" "$STAGE/sgl"; done
+tar -C "$STAGE" -cf - sgl | xz -T0 -6 > "$PACK.tmp" && mv "$PACK.tmp" "$PACK"
+echo "    $(du -sm "$PACK" | cut -f1) MiB"
