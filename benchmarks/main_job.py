@@ -9,7 +9,7 @@ rollback from the step events (``rollbacks``: where each fault hit, the boundary
 the recovery's parts). Every option of ``belayer demo`` is accepted (``--steps``, ``--seed``,
 ``--faults-env-rate`` ...); the demo's own files stay in ``--out-dir``.
 
-    python3 benchmarks/main_job.py                         # the defaults: ~10 min on 2 cores
+    python3 benchmarks/main_job.py                         # the defaults: 12-15 min on 2 busy cores
     python3 benchmarks/main_job.py --steps 1 --tasks-per-step 1 --group-size 2 --out /tmp/mj.json
 Writes benchmarks/results/main_job.json and main_job.png (the demo's plot); Docker + CRIU, root.
 """
@@ -35,12 +35,12 @@ from belayer.examples.swe_rl.run import run  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def _source(argv: list[str], seconds: float) -> dict:
+def _source(argv: list[str], seconds: float, load_start: tuple[float, ...]) -> dict:
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     return {"command": " ".join(["python3", "benchmarks/main_job.py", *argv]), "commit": commit or None,
             "machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.platform()}",
-            "gpu": shutil.which("nvidia-smi") is not None, "loadavg_end": os.getloadavg(),
+            "gpu": shutil.which("nvidia-smi") is not None, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "wall_s": round(seconds, 1)}
 
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     FLAGS.add_to(p)
     args = p.parse_args(argv)
     cfg = FLAGS.build(args)
-    t0 = time.monotonic()
+    t0, load_start = time.monotonic(), os.getloadavg()  # the machine's load says what the wall time means
     summary = run(cfg, lambda line: print(line, file=sys.stderr, flush=True))
     events = Path(cfg.out_dir) / "events.jsonl"
     steps = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.is_file() else []
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot = summary.pop("plot", None)
-    result = {"source": _source(argv, time.monotonic() - t0), "summary": summary, "rollbacks": rollbacks}
+    result = {"source": _source(argv, time.monotonic() - t0, load_start), "summary": summary, "rollbacks": rollbacks}
     out.write_text(json.dumps(result, indent=1) + "\n")
     if plot and Path(plot).is_file():
         shutil.copyfile(plot, out.with_suffix(".png"))
