@@ -59,7 +59,7 @@ RULES = [
                                "belayer_engine.engine", "torch"], []),
     ("belayer_engine.supervisor", ["belayer_engine.backends", "belayer_engine.router", "torch"],
      ["belayer_engine.backends.base", "belayer_engine.backends.reference.launcher",
-      "belayer_engine.backends.sglang.launcher"]),
+      "belayer_engine.backends.sglang.launcher", "belayer_engine.backends.sglang.backend"]),
     ("belayer_engine.backends", ["belayer_engine.router", "belayer_engine.engine",
                                  "belayer_engine.supervisor.supervisor", "belayer_engine.supervisor.slot"], []),
 ]
