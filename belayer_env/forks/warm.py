@@ -28,10 +28,10 @@ from collections.abc import Callable
 import docker
 
 from belayer_core.errors import SandboxLost
+from belayer_env.restore.standby import freeze_checked
 from belayer_env.sandbox import fence, freezer
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
-from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.store.manifest import Checkpoint
 
 
@@ -110,14 +110,9 @@ class WarmForks:
 
 
 def _freeze(client: docker.DockerClient, sandbox: DockerSandbox) -> int:
-    """Freeze a fork through its cgroup, check Docker's view (running, its init alive in the
-    cgroup); returns the init's pid."""
+    """Freeze a fork through its cgroup and check it (``standby.freeze_checked``); returns
+    the init's pid."""
     cid = sandbox.container_id
-    if freezer.control_file(cid) is None or not freezer.freeze(cid, poll_s=0.001):
+    if freezer.control_file(cid) is None:
         raise SandboxLost(f"warm fork {sandbox.name} cannot be frozen through its cgroup here")
-    with translate_errors(f"check warm fork {sandbox.name}"):
-        state = client.api.inspect_container(cid)["State"]
-    pid = state.get("Pid", 0)
-    if not (state.get("Running") and not state.get("Paused") and freezer.init_alive(cid, pid)):
-        raise SandboxLost(f"warm fork {sandbox.name} is not running after its restore")
-    return pid
+    return freeze_checked(client, cid, f"warm fork {sandbox.name}")

@@ -276,14 +276,21 @@ def _freeze(client: docker.DockerClient, cid: str, name: str) -> Frozen | None:
         with translate_errors(f"freeze standby {name}"):
             client.api.pause(cid)
         return None
+    return Frozen(cid, freeze_checked(client, cid, f"standby {name}"), control)
+
+
+def freeze_checked(client: docker.DockerClient, cid: str, what: str) -> int:
+    """Freeze a just-restored container through its cgroup and check it as a rollback would
+    (Docker's view running, its init alive in the cgroup); returns the init's pid.
+    SandboxLost otherwise. Standbys and warm forks both use it."""
     if not freezer.freeze(cid, poll_s=0.001):
-        raise SandboxLost(f"standby {name} could not be frozen")
-    with translate_errors(f"check standby {name}"):
+        raise SandboxLost(f"{what} could not be frozen")
+    with translate_errors(f"check {what}"):
         state = client.api.inspect_container(cid)["State"]
     pid = state.get("Pid", 0)
     if not (state.get("Running") and not state.get("Paused") and freezer.init_alive(cid, pid)):
-        raise SandboxLost(f"standby {name} is not running after its restore ({state.get('Status')})")
-    return Frozen(cid, pid, control)
+        raise SandboxLost(f"{what} is not running after its restore ({state.get('Status')})")
+    return pid
 
 
 def _take_name(client: docker.DockerClient, name: str, standby: str, cid: str, killed: list[str],
