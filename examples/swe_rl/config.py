@@ -61,7 +61,7 @@ class LearnerConfig(BaseModel):
     temperature: float = Field(default=1.0, gt=0)
     """The rollouts' sampling temperature: RL log-probs are those of softmax(logits / T)."""
     chunk_tokens: int = Field(default=8192, ge=1)
-    """Padded tokens per forward/backward chunk (gradients accumulate across chunks)."""
+    """Tokens per forward/backward chunk (gradients accumulate across chunks)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     loss_agg: Literal["episode", "token"] = "episode"

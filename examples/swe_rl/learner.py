@@ -104,13 +104,17 @@ class Learner:
         return {"tokens": tokens, "loss": round(loss, 4), "grad_norm": round(norm, 3)}
 
     def _chunks(self, seqs: list) -> list[list[int]]:
-        """Indices grouped by length so a padded chunk holds at most ``chunk_tokens`` tokens."""
+        """Indices grouped by length so a chunk holds at most ``chunk_tokens`` tokens (the
+        sequences go through the model packed, unpadded: ``sequence_logprobs``)."""
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
         chunks: list[list[int]] = [[]]
+        tokens = 0
         for i in order:
-            if chunks[-1] and (len(chunks[-1]) + 1) * len(seqs[i][0]) > self.cfg.chunk_tokens:
+            if chunks[-1] and tokens + len(seqs[i][0]) > self.cfg.chunk_tokens:
                 chunks.append([])
+                tokens = 0
             chunks[-1].append(i)
+            tokens += len(seqs[i][0])
         return chunks
 
     def _pg_update(self, seqs: list, advs: list[float], scale: list[float],

@@ -43,3 +43,31 @@ def test_groups_without_reward_spread_carry_no_signal():
     metrics = learner.grpo_step([[_episode("a", 8, 4, 1.0), _episode("a", 8, 6, 1.0)]])
     assert metrics["tokens"] == 0
     assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+
+
+def test_packed_logprobs_match_the_padded_forward():
+    """``sequence_logprobs`` packs sequences unpadded (``forward_packed``): the same
+    log-probs and gradients as each sequence scored by the padded batched ``forward``."""
+    from belayer.examples.swe_rl.policy import PolicyModel
+
+    model = PolicyModel(seed=0)
+    seqs = [([(5 * i + k) % 500 for i in range(n)], [(n - 6, n - 2), (n - 1, n)] if k % 2 else [(3, n)])
+            for k, n in enumerate([9, 40, 17, 33])]
+    packed = sequence_logprobs(model, seqs, temperature=0.7)
+    batch = torch.zeros(len(seqs), 40, dtype=torch.long)
+    for i, (ids, _) in enumerate(seqs):
+        batch[i, : len(ids)] = torch.tensor(ids)
+    logp = torch.log_softmax(model(batch) / 0.7, dim=-1)
+    padded = [logp[i, [p for a, b in spans for p in range(a - 1, b - 1)], [ids[p] for a, b in spans for p in range(a, b)]]
+              for i, (ids, spans) in enumerate(seqs)]
+    weights = [0.3, -1.0, 0.7, 2.0]
+    grads = []
+    for lps in (packed, padded):
+        assert [len(x) for x in lps] == [sum(b - a for a, b in spans) for _, spans in seqs]
+        model.zero_grad()
+        sum(w * x.sum() for w, x in zip(weights, lps, strict=True)).backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    for x, y in zip(packed, padded, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-5, rtol=1e-3)
