@@ -13,7 +13,7 @@ from pathlib import Path
 
 from belayer_core.errors import UsageError
 from belayer_engine import worker_auth
-from belayer_engine.lifecycle import LoopEngine, engine_router_config, running
+from belayer_engine.lifecycle import LoopEngine, engine_recovery, engine_router_config, running
 from belayer_engine.router import Router, RouterConfig
 from belayer_engine.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor
@@ -26,11 +26,10 @@ class RecoverableEngine(LoopEngine):
 
     def __init__(self, supervisor: SupervisorConfig | None = None, router: RouterConfig | None = None) -> None:
         super().__init__("belayer-engine")
-        self.supervisor_config = supervisor or SupervisorConfig()
+        router, self.supervisor_config = engine_recovery(router or RouterConfig(), supervisor or SupervisorConfig())
         # One random secret per engine: its workers answer only the router and the supervisor.
         self._worker_secret = worker_auth.new_secret()
-        self.router_config = engine_router_config(router or RouterConfig(), self.supervisor_config.model,
-                                                  self._worker_secret)
+        self.router_config = engine_router_config(router, self.supervisor_config.model, self._worker_secret)
         self.base_url: str = ""
         self.weights_socket: str = ""  # the weight endpoint of learners in other processes
         self.router: Router | None = None

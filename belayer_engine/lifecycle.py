@@ -14,7 +14,9 @@ import threading
 from collections.abc import Iterator
 from typing import TypeVar
 
+from belayer_core.errors import ConfigError
 from belayer_engine.router import RouterConfig
+from belayer_engine.supervisor.config import SupervisorConfig
 
 
 class LoopEngine:
@@ -81,3 +83,29 @@ def engine_router_config(router: RouterConfig, model: str | None, worker_secret:
     if router.tokenizer is None and model:
         router = router.model_copy(update={"tokenizer": model})
     return router
+
+
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+PROCESSOR_FLAG = "--enable-custom-logit-processor"
+
+
+def engine_recovery(router: RouterConfig, supervisor: SupervisorConfig) -> tuple[RouterConfig, SupervisorConfig]:
+    """Match the router's recovery to the engine's workers.
+
+    ``replay`` forces ids through SGLang's custom logit processors: the engine's SGLang
+    servers then get ``--enable-custom-logit-processor`` (only the router can send one:
+    clients cannot). With ``--enable-deterministic-inference`` among SGLang's worker args and
+    no recovery chosen, replay is the default: a re-prefill would not give the fault-free ids
+    on a GPU. The reference worker's re-prefill is already bit-exact; replay is refused there.
+    """
+    if supervisor.backend != "sglang":
+        if router.recovery == "replay":
+            raise ConfigError("recovery='replay' needs SGLang workers (backend='sglang'): it forces ids with SGLang's "
+                              "custom logit processors; the reference worker's re-prefill is already bit-exact "
+                              "(use recovery='token')")
+        return router, supervisor
+    if "recovery" not in router.model_fields_set and DETERMINISTIC_FLAG in supervisor.worker_args:
+        router = router.model_copy(update={"recovery": "replay"})
+    if router.recovery == "replay" and PROCESSOR_FLAG not in supervisor.worker_args:
+        supervisor = supervisor.model_copy(update={"worker_args": [*supervisor.worker_args, PROCESSOR_FLAG]})
+    return router, supervisor

@@ -140,7 +140,8 @@ async def _throughput(base_url: str, batch: int, max_tokens: int) -> dict:
 
 def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
     shadow = mode == "shadow"
-    router = RouterConfig(recovery="token", request_wait_s=900)  # an SGLang cold start is ~1-2 min on 2 loaded cores
+    # an SGLang cold start is ~1-2 min on 2 loaded cores
+    router = RouterConfig(recovery=args.recovery, request_wait_s=900)
     runs, extra = [], {}
     with RecoverableEngine.launch(workers=1, shadow=shadow, device=args.device, model=args.model_dir,
                                   router=router, unhealthy_window_s=0.0, arena_args=args.arena_arg,
@@ -168,6 +169,7 @@ def measure(mode: str, args, rng: random.Random) -> tuple[list[dict], dict]:
                 "routed_to_first_token_s": (first_new - routed[0]) if routed else None,
                 "breakdown": _breakdown(eng.events(), r["t_kill"], first_new),
                 "reprefilled_tokens": r["summary"].get("reprefilled_tokens"),
+                "replayed_tokens": r["summary"].get("replayed_tokens"),
             })
             if reference is not None:  # the same greedy request without a fault
                 runs[-1]["first_mismatch"] = _first_mismatch(r["ids"], reference)
@@ -385,6 +387,8 @@ def main() -> None:
                    help="extra worker option, e.g. --worker-arg=--enable-deterministic-inference (repeatable)")
     p.add_argument("--sglang-shadow-release-graphs", action="store_true",
                    help="the SGLang shadow also releases its decode CUDA graphs while idle")
+    p.add_argument("--recovery", choices=["token", "replay"], default="token",
+                   help="how a killed stream continues: re-prefill (token) or forced decode (replay; sglang)")
     p.add_argument("--identity", action="store_true",
                    help="compare every continued response with the same request's fault-free greedy ids")
     p.add_argument("--throughput", type=lambda v: [int(x) for x in v.split(",")], default=[],
@@ -406,7 +410,7 @@ def main() -> None:
     _instrument_router()
     rng = random.Random(7)
     result = {"device": args.device, "backend": args.backend, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
-              "worker_args": args.worker_arg, "model_dir": args.model_dir, "runs": {}}
+              "worker_args": args.worker_arg, "recovery": args.recovery, "model_dir": args.model_dir, "runs": {}}
     for mode in args.modes.split(","):
         if mode == "cold-disk":
             if args.backend != "sglang":

@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from belayer_core.errors import UsageError, WorkerLost
 from belayer_engine import worker_auth
-from belayer_engine.lifecycle import LoopEngine, engine_router_config, running
+from belayer_engine.lifecycle import LoopEngine, engine_recovery, engine_router_config, running
 from belayer_engine.ray.slot_actor import EngineSlotActor
 from belayer_engine.router import Router, RouterConfig
 from belayer_engine.routing import Endpoint, RoutingTable
@@ -63,6 +63,8 @@ class RayEngine(LoopEngine):
     def __init__(self, config: RayEngineConfig | None = None):
         super().__init__("belayer-ray-engine")
         config = config or RayEngineConfig()
+        router, supervisor = engine_recovery(config.router, config.supervisor)
+        config = config.model_copy(update={"router": router, "supervisor": supervisor})
         # one random secret per engine: every slot's workers answer only this router and
         # their own supervisor (it travels to the slot actors as an argument, inside Ray)
         self._worker_secret = worker_auth.new_secret()

@@ -35,7 +35,10 @@ class RouterConfig(BaseModel):
     ``recovery="token"`` resumes from every streamed token (nothing is regenerated);
     ``recovery="chunk"`` mimics the coarser scheme of the reference paper: the preserved
     prefix only advances every ``chunk_tokens`` tokens, the rest is regenerated (and checked
-    against what the client already received, never sent twice).
+    against what the client already received, never sent twice). ``recovery="replay"``
+    re-sends the prompt alone and has the new worker decode the generated ids again, forced
+    (SGLang workers with ``--enable-custom-logit-processor``): one decode step per generated
+    id, and with SGLang's ``--enable-deterministic-inference`` the fault-free ids on a GPU.
 
     The API key (every route but the bare ``/health`` needs it when set) comes from
     ``api_key``, else ``api_key_file`` (a 0600 file), else the ``BELAYER_API_KEY``
@@ -56,7 +59,7 @@ class RouterConfig(BaseModel):
     worker_api_key_file: str | None = Field(default=None, description=(
         "a 0600 file holding worker_api_key (e.g. for SGLang servers started with --api-key)"))
     model_name: str = "belayer-default"
-    recovery: Literal["token", "chunk"] = "token"
+    recovery: Literal["token", "chunk", "replay"] = "token"
     chunk_tokens: int = Field(default=256, ge=1)
     stall_timeout_s: float = Field(default=10.0, gt=0, description="no token for this long: probe the worker")
     stall_probe_timeout_s: float = Field(default=2.0, gt=0, description="no /health answer within this = stalled")

@@ -284,4 +284,5 @@ def _summary(choices: list[_Choice]) -> dict:
     return {"recoveries": sum(s["recoveries"] for s in per),
             "regenerated_tokens": sum(s["regenerated_tokens"] for s in per),
             "reprefilled_tokens": sum(s["reprefilled_tokens"] for s in per),
+            "replayed_tokens": sum(s["replayed_tokens"] for s in per),
             "diverged": any(s["diverged"] for s in per), "choices": per}

@@ -4,7 +4,10 @@ The router records every token id it has streamed to the client. When the worker
 the same request is re-sent to a live worker as ``prompt + generated`` with the remaining
 budget, and the continuation is spliced in: nothing is lost, nothing is sent twice. With
 greedy decoding the worker's exact re-prefill makes the result token-identical to a
-fault-free run. In ``chunk`` mode the preserved prefix only advances every k tokens (the
+fault-free run (the reference worker; SGLang on CPU). In ``replay`` mode the prompt alone is
+re-sent and the worker samples the generated ids again, forced, through its decode path
+(``forced_decode.py``): with SGLang's deterministic mode on a GPU that is what keeps the
+continuation the fault-free run's. In ``chunk`` mode the preserved prefix only advances every k tokens (the
 reference paper's scheme); the regenerated tail is compared with what the client already
 has and suppressed, and counted in ``regenerated``.
 
@@ -28,6 +31,7 @@ from belayer_core.errors import RequestFailed, WorkerLost
 from belayer_engine.routing import RoutingTable
 
 from .config import RouterConfig
+from .forced_decode import replay_fields
 from .upstream import Chunk, stream_generate
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,7 @@ class Generation:
     recoveries: int = 0
     regenerated: int = 0
     reprefilled: int = 0  # generated ids re-sent as input to a replacement worker (prefilled, not decoded)
+    replayed: int = 0  # generated ids a replacement worker decoded again, forced (recovery="replay")
     workers: list[str] = field(default_factory=list)
     weight_version: object = None
     weight_versions: list = field(default_factory=list)
@@ -61,6 +66,7 @@ class Generation:
             "recoveries": self.recoveries,
             "regenerated_tokens": self.regenerated,
             "reprefilled_tokens": self.reprefilled,
+            "replayed_tokens": self.replayed,
             "workers": self.workers,
             "failures": self.failures,
             "weight_version": self.weight_version,
@@ -96,7 +102,12 @@ class Continuation:
         after_worker_failure = False  # this attempt replays the request after a WorkerLost
         while True:
             endpoint = await self.table.acquire(cfg.request_wait_s)
-            if cfg.recovery == "chunk" and not force_token_level:
+            # replay: the prompt alone, the generated ids forced again (and skipped below)
+            replay = cfg.recovery == "replay" and after_worker_failure and bool(gen.generated) \
+                and not force_token_level
+            if replay:
+                keep = 0
+            elif cfg.recovery == "chunk" and not force_token_level:
                 keep = (len(gen.generated) // cfg.chunk_tokens) * cfg.chunk_tokens
             else:
                 keep = len(gen.generated)
@@ -107,6 +118,10 @@ class Continuation:
                 "stream": True,
                 "rid": f"{gen.rid}-{attempt}",
             }
+            if replay:
+                extra_body, extra_sampling = replay_fields(gen.generated)
+                body.update(extra_body)
+                body["sampling_params"].update(extra_sampling)
             if gen.top_logprobs_num is not None:  # SGLang's fields; the new worker scores what it generates
                 body["return_logprob"] = True
                 if gen.top_logprobs_num:
@@ -117,6 +132,7 @@ class Continuation:
             if replaying:
                 endpoint.replaying += 1
                 gen.reprefilled += keep
+                gen.replayed += skip if replay else 0
             progressed = False
             upstream = stream_generate(
                 self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,
@@ -137,7 +153,8 @@ class Continuation:
                             overlap = new[: len(tail)]
                             if overlap != tail[: len(overlap)]:
                                 raise _Diverged()
-                            gen.regenerated += len(overlap)
+                            if not replay:
+                                gen.regenerated += len(overlap)
                             skip -= len(overlap)
                             new = new[len(overlap) :]
                             # the client keeps the logprobs it already has for the overlap

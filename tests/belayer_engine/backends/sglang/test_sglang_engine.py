@@ -2,7 +2,8 @@
 concurrent greedy streams, a weight update that the shadow serves, arena SIGKILL, logprobs
 and n > 1 across a SIGKILL.
 
-One engine for the module (tests run in file order and build on each other's state). The
+One engine for the module (tests run in file order and build on each other's state), with
+``recovery="replay"``: a failed request's ids are decoded again on the shadow, forced. The
 fault-free reference of each prompt is the same engine's own uninterrupted greedy answer.
 """
 
@@ -45,7 +46,9 @@ DEVICE = os.environ.get("BELAYER_TEST_DEVICE", "cpu")
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     venv = sglang_venv()
-    router = RouterConfig(request_wait_s=START_S, stall_timeout_s=60.0)
+    # replay: a failed request's generated ids are decoded again on the shadow, forced
+    # (the re-prefill path is test_sglang_native's)
+    router = RouterConfig(request_wait_s=START_S, stall_timeout_s=60.0, recovery="replay")
     with pytest.MonkeyPatch.context() as mp:
         # the arena's region files out of reach of other arenas' orphan reapers on this machine
         mp.setenv("BELAYER_SHM_DIR", str(tmp_path_factory.mktemp("shm")))
@@ -197,6 +200,10 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
         assert res["ids"] == expected[p], f"{p!r}: continued output differs from the fault-free run; {events}"
         assert res["belayer"]["weight_versions"] == [version], "the shadow served the new version only"
     assert sum(r["belayer"]["recoveries"] for r in results) >= 1, f"the kill landed mid-stream; held at {hold.at_hold}; {events}"
+    for res in results:  # replayed: each id it had went through the shadow's decode again, none as input
+        summary = res["belayer"]
+        assert summary["replayed_tokens"] == sum(f["at_token"] for f in summary["failures"]), summary
+        assert summary["reprefilled_tokens"] == summary["regenerated_tokens"] == 0, summary
     wait_until(lambda: engine.worker_pid(0) not in (None, old_pid), 60, "the shadow took over")
     handover = [e for e in engine.events() if e["event"] == "handover"]
     assert handover and handover[-1]["path"] == "shadow", handover
