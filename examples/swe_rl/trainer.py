@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import openai
@@ -46,8 +46,14 @@ class EventLog:
 
 def rollout_group(cfg: RunConfig, client: openai.OpenAI, tasks: list[Task], version: int,
                   step: int) -> tuple[list[list[Episode]], int]:
-    """``group_size`` episodes per task, all from weight ``version``; returns groups, faults fired."""
+    """``group_size`` episodes per task, all from weight ``version``; returns groups, faults fired.
+
+    An episode's env is closed (its sandbox, spare, standby and checkpoints removed) on a
+    thread of its own, so that the episode's thread starts the next episode at once; the
+    step waits for every close before it returns, and a close's error fails the step as
+    before (a close also waits for this process's other background removals)."""
     jobs = [(t, i) for t in tasks for i in range(cfg.group_size)]
+    closing: list[Future] = []
 
     def one(job: tuple[Task, int]) -> tuple[Episode, int]:
         task, i = job
@@ -56,10 +62,16 @@ def rollout_group(cfg: RunConfig, client: openai.OpenAI, tasks: list[Task], vers
         try:
             return run_episode(env, client, task, cfg.agent, expect_version=version), len(env.injected)
         finally:
-            env.close()
+            closing.append(closer.submit(env.close))
 
-    with ThreadPoolExecutor(cfg.parallel) as pool:
-        results = list(pool.map(one, jobs))
+    with ThreadPoolExecutor(cfg.parallel, thread_name_prefix="env-close") as closer:
+        try:
+            with ThreadPoolExecutor(cfg.parallel) as pool:
+                results = list(pool.map(one, jobs))
+        finally:
+            wait(closing)
+    for f in closing:
+        f.result()  # raises a close's error
     episodes = [e for e, _ in results]
     groups = [episodes[k * cfg.group_size:(k + 1) * cfg.group_size] for k in range(len(tasks))]
     return groups, sum(n for _, n in results)
