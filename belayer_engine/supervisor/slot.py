@@ -23,6 +23,7 @@ from belayer_engine.backends.base import SlotSpec, WorkerBackend, WorkerSpec
 from belayer_engine.routing import Endpoint
 from belayer_engine.supervisor.config import SupervisorConfig
 from belayer_engine.supervisor.processes import (
+    ForkTemplate,
     Proc,
     fence,
     free_port,
@@ -74,6 +75,17 @@ class SlotProcesses:
         self._env.pop(worker_auth.ENV, None)
         # Workers and shadows get the secret in their environment (never argv); the arena does not.
         self._worker_env = {**self._env, worker_auth.ENV: worker_secret} if worker_secret else self._env
+        self.template: ForkTemplate | None = None  # set once the supervisor has started one
+
+    def new_template(self) -> ForkTemplate | None:
+        """A template of the backend's worker program (``template_module``), not started; None
+        when the backend has none. It gets the workers' environment without the secret
+        (each clone gets its own, secret included, with its request)."""
+        module = getattr(self.backend, "template_module", None)
+        if not module:
+            return None
+        return ForkTemplate(self.config.python, module, self.backend.worker_env(self._env),
+                            self.run_dir / "worker-template.log")
 
     def spec(self, slot: Slot) -> SlotSpec:
         return SlotSpec(name=slot.name, device=slot.device, arena_socket=slot.socket, run_dir=self.run_dir)
@@ -100,8 +112,13 @@ class SlotProcesses:
                           port=free_port(cfg.host), shadow=shadow)
         argv = [cfg.python, *self.backend.worker_argv(self.spec(slot), spec)]
         url = f"http://{cfg.host}:{spec.port}"
-        proc = await spawn(role, spec.worker_id, argv, self.run_dir / f"{spec.worker_id}.log", url=url,
-                           env=self.backend.worker_env(self._worker_env))
+        log_path, env = self.run_dir / f"{spec.worker_id}.log", self.backend.worker_env(self._worker_env)
+        proc = None
+        if self.template is not None and self.template.alive:  # a clone: no interpreter start, no imports
+            with contextlib.suppress(WorkerLost):
+                proc = await self.template.spawn(role, spec.worker_id, argv, log_path, url=url, env=env)
+        if proc is None:
+            proc = await spawn(role, spec.worker_id, argv, log_path, url=url, env=env)
 
         async def ready() -> bool:
             return await self.backend.ready(self.session, url, shadow)

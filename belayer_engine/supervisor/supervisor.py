@@ -32,7 +32,7 @@ from belayer_engine import worker_auth
 from belayer_engine.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
 from belayer_engine.supervisor.handover import Handover
-from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully
+from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully, template_supported
 from belayer_engine.supervisor.run_dir import private_run_dir
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
 from belayer_engine.supervisor.weight_sync import WeightSync
@@ -89,6 +89,30 @@ class Supervisor(Handover, WeightSync):
             self.table.add_slot(slot.name)
         await asyncio.gather(*(self._start_slot(s) for s in self.slots))
         self._spawn_task(self._health_loop())
+        if cfg.shadow and template_supported():
+            self._spawn_task(self._start_template())
+
+    async def _start_template(self) -> None:
+        """Start the backend's worker template after the slots (never on the start's path):
+        later shadows and workers are its clones (``ForkTemplate``); without it they are
+        spawned as before."""
+        assert self._procs is not None
+        template = self._procs.new_template()
+        if template is None:
+            return
+        t0 = time.monotonic()
+        try:
+            await template.start(self.config.start_timeout_s)
+        except WorkerLost as exc:
+            log.warning("worker template failed to start (workers are spawned instead): %s", exc)
+            self._engine_event("template_failed", reason=str(exc)[:300])
+            return
+        if self._stopping:
+            await template.stop()
+            return
+        self._procs.template = template
+        assert template.process is not None
+        self._engine_event("template_ready", pid=template.process.pid, start_s=time.monotonic() - t0)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -105,6 +129,8 @@ class Supervisor(Handover, WeightSync):
             if slot.arena is not None:  # a clean stop: the arena removes its /dev/shm files
                 with contextlib.suppress(WorkerLost):
                     await stop_gracefully(slot.arena, self.config.fence_timeout_s)
+        if self._procs is not None and self._procs.template is not None:
+            await self._procs.template.stop(self.config.fence_timeout_s)
         if self._session:
             await self._session.close()
         if self._tmp:
@@ -172,7 +198,10 @@ class Supervisor(Handover, WeightSync):
     # ------------------------------------------------------------------ plumbing
 
     def _event(self, slot: Slot, kind: str, **extra) -> None:
-        self.events.append({"t": time.monotonic(), "wall": time.time(), "slot": slot.name, "event": kind, **extra})
+        self._engine_event(kind, slot=slot.name, **extra)
+
+    def _engine_event(self, kind: str, slot: str | None = None, **extra) -> None:
+        self.events.append({"t": time.monotonic(), "wall": time.time(), "slot": slot, "event": kind, **extra})
         self._spawn_task(self._notify())
 
     async def _notify(self) -> None:
@@ -197,7 +226,7 @@ class Supervisor(Handover, WeightSync):
         self._watch(slot, proc)
         if not shadow:
             slot.cold_starts += 1
-        self._event(slot, f"{proc.role}_ready", pid=proc.pid, start_s=started_for(proc))
+        self._event(slot, f"{proc.role}_ready", pid=proc.pid, start_s=started_for(proc), cloned=proc.cloned)
         return proc
 
     async def _start_slot(self, slot: Slot) -> None:

@@ -19,6 +19,9 @@ class ReferenceBackend:
 
     name = "reference"
     isolated_kv = False  # KV blocks live in the arena: promote only after the reap
+    template_module = "belayer_engine.backends.reference.worker"
+    """Kept imported by the supervisor's ``ForkTemplate``: a new shadow is a clone of it, not
+    a fresh interpreter importing torch (the worker module's ``main(argv)`` runs in the clone)."""
 
     def __init__(self, extra_args: list[str] | None = None) -> None:
         self.extra_args = list(extra_args or [])
