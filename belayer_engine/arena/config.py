@@ -31,6 +31,10 @@ class ArenaConfig(BaseModel):
                                   "--no-reference-slots (needs --weight-cache-socket) keeps the weights once, "
                                   "in SGLang's layout only")
 
+    cuda_stack_bytes: int = Field(256, ge=0, le=1 << 20, description=(
+        "CUDA per-thread stack limit of the arena's context (the driver raises it for a kernel that "
+        "needs more): 256 keeps ~200 MB of an H200's context free; 0 keeps the driver's 1 KiB"))
+
     @model_validator(mode="after")
     def _holds_weights_somewhere(self) -> ArenaConfig:
         if not self.reference_slots and not self.weight_cache_socket:

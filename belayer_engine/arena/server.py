@@ -36,6 +36,7 @@ from belayer_engine import owner
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
 from belayer_engine.arena.config import FLAGS, ArenaConfig, add_flags
+from belayer_engine.arena.cuda_limits import set_thread_stack
 from belayer_engine.arena.payload import read_update
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights, load_safetensors_dir, torch_dtype
@@ -98,6 +99,7 @@ class ArenaServer:
         del weights
         if self.device.type == "cuda":  # the loaded HF tensors' blocks go back to the device
             torch.cuda.empty_cache()
+        self.cuda_stack = set_thread_stack(self.device, cfg.cuda_stack_bytes)  # (before, after) bytes; None on CPU
         self.version, self.slot = 0, 0
         self.cond = threading.Condition()
         self.update_lock = threading.Lock()
@@ -112,7 +114,7 @@ class ArenaServer:
                 "model": self.model.to_dict(), "layout": self.layout, "regions": self.handles,
                 "kv": {"num_blocks": self.cfg.num_blocks, "block_size": self.cfg.block_size,
                        "scratch_blocks": self.cfg.scratch_blocks},
-                "version": self.version, "slot": self.slot,
+                "version": self.version, "slot": self.slot, "cuda_stack": self.cuda_stack,
                 "weight_cache": self.export.describe() if self.export else None}
 
     def health(self) -> dict:

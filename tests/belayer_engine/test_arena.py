@@ -164,3 +164,18 @@ def test_an_arena_without_any_weights_is_refused(tmp_path):
     out = subprocess.run([sys.executable, "-m", "belayer_engine.arena", "--socket", str(tmp_path / "a.sock"),
                           "--no-reference-slots"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "needs weight_cache_socket" in out.stderr
+
+
+def test_the_cuda_stack_limit_is_an_arena_option_and_a_no_op_on_cpu():
+    """GPU arenas shrink their context's per-thread stack reservation (256 bytes: ~200 MB of
+    an H200's context, measured); on CPU nothing is touched and describe() says so."""
+    from pydantic import ValidationError
+
+    from belayer_engine.arena.config import ArenaConfig
+    from belayer_engine.arena.cuda_limits import set_thread_stack
+
+    assert ArenaConfig(socket="s").cuda_stack_bytes == 256
+    with pytest.raises(ValidationError, match="cuda_stack_bytes"):
+        ArenaConfig(socket="s", cuda_stack_bytes=-1)
+    assert set_thread_stack(torch.device("cpu"), 256) is None
+    assert set_thread_stack(torch.device("cuda:0"), 0) is None  # 0: the driver's default, no CUDA call

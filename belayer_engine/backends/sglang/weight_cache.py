@@ -218,10 +218,12 @@ class WeightCacheExport:
                 self.servers.pop(url, None)  # dead or dying: the supervisor replaces it
                 self._auth.pop(url, None)
             try:
-                self.weights.write({k: v.to(device=self.device, dtype=self.weights.dtype)
-                                    for k, v in tensors.items()})
+                # cast where the tensor is, copy straight into the rows: no device-side staging
+                # copy (a 4B model's embedding cast on the GPU first left ~0.8 GB cached in the arena)
+                self.weights.write({k: v.to(dtype=self.weights.dtype).contiguous() for k, v in tensors.items()})
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+                    torch.cuda.empty_cache()
                 self.version = version
                 for url in live:
                     try:
