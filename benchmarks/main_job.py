@@ -9,7 +9,7 @@ rollback from the step events (``rollbacks``: where each fault hit, the boundary
 the recovery's parts). Every option of ``belayer demo`` is accepted (``--steps``, ``--seed``,
 ``--faults-env-rate`` ...); the demo's own files stay in ``--out-dir``.
 
-    python3 benchmarks/main_job.py                         # the defaults: 12-15 min on 2 busy cores
+    python3 benchmarks/main_job.py                         # the defaults: 6.5-7 min on 2 quiet cores
     python3 benchmarks/main_job.py --steps 1 --tasks-per-step 1 --group-size 2 --out /tmp/mj.json
 Writes benchmarks/results/main_job.json and main_job.png (the demo's plot); Docker + CRIU, root.
 """
