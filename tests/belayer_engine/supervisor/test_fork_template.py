@@ -70,14 +70,17 @@ def test_a_clone_runs_main_with_its_log_env_and_session(tmp_path):
         try:
             argv = [os.sys.executable, "-m", template.module, "hello", "3"]
             proc = await template.spawn("worker", "w", argv, tmp_path / "w.log", env={"ONLY": "this"})
-            assert proc.cloned and _ppid(proc.pid) == os.getpid()
-            assert await asyncio.wait_for(proc.process.wait(), 30) == 3
+            # it may have exited (and been reaped) already: its status reaching us via waitpid
+            # is what says it is our child here (a stranger's would read 255); the sleeper's
+            # parent is checked below, while it lives
+            assert proc.cloned and await asyncio.wait_for(proc.process.wait(), 30) == 3
             assert not process_alive(proc.pid)
             out = (tmp_path / "w.log").read_text().split()
             assert out[:3] == ["hello", "this", "True"]  # args, env, own session
             with pytest.raises(Exception, match="runs"):
                 await template.spawn("worker", "x", [os.sys.executable, "-m", "json.tool"], tmp_path / "x.log")
             sleeper = await template.spawn("worker", "s", [*argv[:3], "sleep", "0"], tmp_path / "s.log", env={})
+            assert _ppid(sleeper.pid) == os.getpid() and _pgid(sleeper.pid) == sleeper.pid
             await fence(sleeper, 10)  # SIGKILL to its group, reaped here
             assert sleeper.process.returncode == -signal.SIGKILL and not process_alive(sleeper.pid)
         finally:
