@@ -23,16 +23,16 @@ import json
 import pickle
 
 FORCED_IDS = "belayer_forced_ids"  # custom_params key: the ids to sample, in order
-FORCED_DONE = "belayer_forced_done"  # custom_params key the processor keeps its count in
 
 
 class ForcedIds:
     """An SGLang custom logit processor: a row whose params carry ``belayer_forced_ids``
     samples those ids, one per sampling step, then its logits pass through untouched.
 
-    Runs inside the SGLang server (its source travels in the request): plain Python only.
-    The count lives in the request's own params dict, which SGLang keeps for the request's
-    life; an intermediate chunk of a chunked prefill samples nothing and is not counted.
+    Runs inside the SGLang server (its source travels in the request): plain Python only,
+    so its keys are literals (``FORCED_IDS``). The count lives in the request's own params
+    dict (``belayer_forced_done``), which SGLang keeps for the request's life; an
+    intermediate chunk of a chunked prefill samples nothing and is not counted.
     """
 
     def __call__(self, logits, custom_param_list=None):

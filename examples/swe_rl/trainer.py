@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -64,12 +64,10 @@ def rollout_group(cfg: RunConfig, client: openai.OpenAI, tasks: list[Task], vers
         finally:
             closing.append(closer.submit(env.close))
 
-    with ThreadPoolExecutor(cfg.parallel, thread_name_prefix="env-close") as closer:
-        try:
-            with ThreadPoolExecutor(cfg.parallel) as pool:
-                results = list(pool.map(one, jobs))
-        finally:
-            wait(closing)
+    # leaving the block waits for the episodes, then for every close (the closer exits last)
+    with ThreadPoolExecutor(cfg.parallel, thread_name_prefix="env-close") as closer, \
+            ThreadPoolExecutor(cfg.parallel) as pool:
+        results = list(pool.map(one, jobs))
     for f in closing:
         f.result()  # raises a close's error
     episodes = [e for e, _ in results]
