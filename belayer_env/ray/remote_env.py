@@ -52,8 +52,8 @@ class RemoteSandboxEnv(gym.Env[str, str]):
         self.options = dict(options or {})
         self.step_count = 0
         for _ in range(self.config.max_failovers + 1):
-            self.start()
             try:  # nothing is committed yet: a lost node means starting the reset again
+                self._start()
                 obs, info, self.resume_point = self._call("reset", seed, self.options,
                                                           timeout=self.config.start_timeout_s)
                 return obs, info
@@ -108,6 +108,12 @@ class RemoteSandboxEnv(gym.Env[str, str]):
 
     def start(self) -> None:
         """Have a live actor (placed by Ray on a node with a free sandbox slot)."""
+        try:
+            self._start()
+        except _ActorLost as lost:
+            raise NodeLost(f"an env actor could not start: {lost.cause}") from lost.cause
+
+    def _start(self) -> None:
         if self.actor is None:
             self.actor = self._cls.remote(self.config)
             try:
@@ -116,16 +122,18 @@ class RemoteSandboxEnv(gym.Env[str, str]):
                 with contextlib.suppress(Exception):  # e.g. still waiting for a slot: give it up
                     ray.kill(self.actor, no_restart=True)
                 self.actor = None
-                raise NodeLost(f"an env actor could not start: {lost.cause}") from lost.cause
+                if isinstance(lost.cause, InfraError):  # no slot (or no answer) in time: not retried
+                    raise NodeLost(f"an env actor could not start: {lost.cause}") from lost.cause
+                raise  # e.g. placed on a node that died before Ray saw it dead: the next try is placed afresh
 
     def _failover(self, lost: _ActorLost) -> tuple[str, dict]:
         """Resume the episode on a new actor from the newest replicated checkpoint."""
         at_step = self.step_count
         for _ in range(self.config.max_failovers):
             lost_where = self._forget(lost)
-            self.start()
             point = self.resume_point
-            try:
+            try:  # a replacement placed on a node that is dying too is one more loss
+                self._start()
                 obs, info, self.resume_point = self._call(
                     "resume", point["id"] if point else None, at_step, self.options, _short(lost.cause),
                     timeout=self.config.start_timeout_s + self.config.call_timeout_s)

@@ -14,8 +14,9 @@ import pytest
 from tests.conftest import wait_until
 
 SLOTS_PER_NODE = 4
+# a node is dead after 3 failed checks; a hung one (SIGSTOP) fails each check by its timeout
 FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                      "health_check_initial_delay_ms": 0}
+                      "health_check_initial_delay_ms": 0, "health_check_timeout_ms": 2000}
 
 
 def _need_ray():

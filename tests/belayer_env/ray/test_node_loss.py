@@ -162,3 +162,39 @@ def test_node_loss_mid_episode_resumes_from_replicated_checkpoints(ray_cluster, 
             assert not v["rollbacks"] and not r.failovers, (task, v, r.failovers)
     left = list((tmp_path / "replica").rglob("*.ready.json"))
     assert not left, f"closed episodes left replicas behind: {left}"
+
+
+def test_reset_places_again_an_actor_lost_to_a_node_ray_still_thinks_alive(ray_cluster, tmp_path):
+    """A machine that stops answering stays "alive" to Ray until its health checks run out;
+    an actor placed there in that window dies before it starts (what CI once saw after a
+    node loss). The env must place a new actor, not give the episode up."""
+    import os
+    import signal
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from belayer_env.ray import SANDBOX_RESOURCE
+    from belayer_env.ray.remote_env import RemoteSandboxEnv
+    from tests.belayer_env.ray.conftest import node_alive
+
+    cluster, _ = ray_cluster
+    first = RemoteSandboxEnv(config(tmp_path, policy="never"))
+    spaces = (first.observation_space, first.action_space)
+    first.close()
+    dying = cluster.add_node(num_cpus=1, resources={SANDBOX_RESOURCE: 1})
+    cluster.wait_for_nodes(timeout=120)
+    raylet = dying.all_processes["raylet"][0].process
+    # soft affinity: the dying node while Ray thinks it alive, any other node once it is dead
+    prefer = {"scheduling_strategy": NodeAffinitySchedulingStrategy(dying.node_id, soft=True)}
+    env = RemoteSandboxEnv(config(tmp_path, policy="never").model_copy(update={"actor_options": prefer}),
+                           spaces=spaces)
+    try:
+        os.kill(raylet.pid, signal.SIGSTOP)  # the machine hangs: Ray finds out by its health checks
+        assert node_alive(dying.node_id), "Ray saw the node dead before the actor was placed"
+        obs, info = env.reset(options={"task": "placed-again", "setup": "echo here > /tmp/f"})
+        assert obs == "placed-again" and info["belayer"]["step"] == 0
+        assert not node_alive(dying.node_id) and env.where["node_id"] != dying.node_id, env.where
+        assert env.step("cat /tmp/f")[0].endswith("here\n</output>")
+    finally:
+        env.close()
+        cluster.remove_node(dying, allow_graceful=False)
