@@ -272,7 +272,8 @@ def _backend(args) -> dict:
         return {}
     saver = {"auto": None, "on": True, "off": False}[args.sglang_shadow_memory_saver]
     return {"backend": "sglang", "sglang_venv": args.sglang_venv, "sglang_shadow_memory_saver": saver,
-            "sglang_shadow_release_graphs": args.sglang_shadow_release_graphs or None}
+            "sglang_shadow_release_graphs": args.sglang_shadow_release_graphs or None,
+            "sglang_cuda_stack_bytes": args.sglang_cuda_stack_bytes}
 
 
 def _tree_mib(pid: int) -> dict:
@@ -387,6 +388,8 @@ def main() -> None:
                    help="extra worker option, e.g. --worker-arg=--enable-deterministic-inference (repeatable)")
     p.add_argument("--sglang-shadow-release-graphs", action="store_true",
                    help="the SGLang shadow also releases its decode CUDA graphs while idle")
+    p.add_argument("--sglang-cuda-stack-bytes", type=int, default=None,
+                   help="each SGLang server's CUDA per-thread stack limit once built (0: the driver's 1 KiB)")
     p.add_argument("--recovery", choices=["token", "replay"], default="token",
                    help="how a killed stream continues: re-prefill (token) or forced decode (replay; sglang)")
     p.add_argument("--identity", action="store_true",
@@ -410,7 +413,8 @@ def main() -> None:
     _instrument_router()
     rng = random.Random(7)
     result = {"device": args.device, "backend": args.backend, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
-              "worker_args": args.worker_arg, "recovery": args.recovery, "model_dir": args.model_dir, "runs": {}}
+              "worker_args": args.worker_arg, "recovery": args.recovery, "model_dir": args.model_dir,
+              "sglang_cuda_stack_bytes": args.sglang_cuda_stack_bytes, "runs": {}}
     for mode in args.modes.split(","):
         if mode == "cold-disk":
             if args.backend != "sglang":

@@ -21,6 +21,10 @@ class SupervisorConfig(BaseModel):
     sglang_shadow_release_graphs: bool | None = Field(
         default=None, description="sglang backend, with the memory saver: shadows release their decode CUDA "
                                   "graphs too (~0.1 GB less while idle for a 4B model; promotion resumes them)")
+    sglang_cuda_stack_bytes: int | None = Field(
+        default=None, ge=0, description="sglang backend on a GPU: each server's CUDA per-thread stack limit once "
+                                        "its scheduler is built (the driver raises it for a kernel that needs "
+                                        "more); None = the backend's default, 0 = the driver's (1 KiB)")
 
     workers: int = Field(default=1, ge=1)
     shadow: bool = True
@@ -47,8 +51,8 @@ class SupervisorConfig(BaseModel):
     @model_validator(mode="after")
     def _sglang_options_need_sglang(self) -> SupervisorConfig:
         if self.backend != "sglang":
-            given = [name for name in ("sglang_venv", "sglang_shadow_memory_saver",
-                                                  "sglang_shadow_release_graphs") if getattr(self, name) is not None]
+            given = [name for name in ("sglang_venv", "sglang_shadow_memory_saver", "sglang_shadow_release_graphs",
+                                       "sglang_cuda_stack_bytes") if getattr(self, name) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to backend='sglang' (backend is {self.backend!r})")
         return self
@@ -66,7 +70,8 @@ def make_backend(config: SupervisorConfig):
 
         return SGLangBackend(config.model, config.worker_args, config.sglang_venv, device=config.device,
                              shadow_memory_saver=config.sglang_shadow_memory_saver,
-                             shadow_release_graphs=bool(config.sglang_shadow_release_graphs))
+                             shadow_release_graphs=bool(config.sglang_shadow_release_graphs),
+                             cuda_stack_bytes=config.sglang_cuda_stack_bytes)
     from belayer_engine.backends.reference.launcher import ReferenceBackend
 
     return ReferenceBackend(config.worker_args)

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_PROMPT_LENS = (16, 256)  # token ids of two warm-up prompts (prefill kernels at two sizes)
 SHADOW_PREFILL_GRAPH_TOKENS = 512
+DEFAULT_CUDA_STACK_BYTES = 0  # per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB)
 PREFILL_GRAPH_FLAGS = ("--cuda-graph-max-bs-prefill", "--piecewise-cuda-graph-max-tokens", "--disable-prefill-cuda-graph")
 
 
@@ -43,7 +44,7 @@ class SGLangBackend:
 
     def __init__(self, model: str | None, extra_args: list[str] | None = None, venv: str | None = None,
                  device: str = "cpu", shadow_memory_saver: bool | None = None,
-                 shadow_release_graphs: bool = False) -> None:
+                 shadow_release_graphs: bool = False, cuda_stack_bytes: int | None = None) -> None:
         if model is None:
             from .model_dir import embedded_config, ensure_embedded_model
 
@@ -54,6 +55,9 @@ class SGLangBackend:
         self.extra_args = list(extra_args or [])
         venv_python(venv)  # fail now, naming the set-up script, not after a 3-minute timeout
         self.shadow_memory_saver = self._saver_wanted(device, shadow_memory_saver)
+        if cuda_stack_bytes and is_cpu(device):
+            raise ConfigError(f"sglang_cuda_stack_bytes={cuda_stack_bytes} needs a CUDA device; device is cpu")
+        self.cuda_stack_bytes = DEFAULT_CUDA_STACK_BYTES if cuda_stack_bytes is None else cuda_stack_bytes
         if shadow_release_graphs and not self.shadow_memory_saver:
             raise ConfigError("sglang_shadow_release_graphs needs the shadow memory saver (a CUDA device with "
                               "torch_memory_saver in SGLang's environment)")
@@ -92,6 +96,8 @@ class SGLangBackend:
                 "--key-dir", str(slot.run_dir)]
         if self.venv:
             argv += ["--venv", self.venv]
+        if self.cuda_stack_bytes and not is_cpu(slot.device):
+            argv += ["--cuda-stack-bytes", str(self.cuda_stack_bytes)]
         if spec.shadow and self.shadow_memory_saver:
             argv.append("--memory-saver")
             if "cuda_graph" in self.releasable:

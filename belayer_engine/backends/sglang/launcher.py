@@ -20,6 +20,7 @@ from belayer_core.errors import ConfigError
 
 DEFAULT_VENV = "/opt/belayer/sglang-venv"
 SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
+GPU_HOOKS_DIR = Path(__file__).resolve().parent / "gpu_hooks"
 SETUP_HINT = "run `bash scripts/setup_sglang.sh` (or set BELAYER_SGLANG_VENV to an SGLang venv)"
 
 
@@ -44,6 +45,8 @@ class SGLangServerConfig(BaseModel):
                                "(torch_memory_saver)")
     memory_saver_graphs: bool = Field(default=False, description="with memory_saver: the CUDA graphs can be "
                                       "released too (their memory under the saver); prefill CUDA graphs are off then")
+    cuda_stack_bytes: int = Field(default=0, ge=0, description="GPU only: the scheduler's CUDA per-thread stack "
+                                  "limit once it is built (gpu_hooks/); 0 = the driver's default (1 KiB)")
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -69,6 +72,8 @@ def server_argv(cfg: SGLangServerConfig) -> list[str]:
         raise ConfigError("memory_saver needs a CUDA device (torch_memory_saver releases GPU memory); device is cpu")
     if cfg.memory_saver_graphs and not cfg.memory_saver:
         raise ConfigError("memory_saver_graphs needs memory_saver")
+    if cfg.cuda_stack_bytes and cpu:
+        raise ConfigError(f"cuda_stack_bytes={cfg.cuda_stack_bytes} needs a CUDA device; device is cpu")
     argv = [str(venv_python(cfg.venv)), "-m", "sglang.launch_server",
             "--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port),
             "--max-total-tokens", str(cfg.max_total_tokens),
@@ -124,6 +129,9 @@ def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> d
             paths.insert(0, str(SHIMS_DIR))
     else:
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # one GPU per server; NVLink multicast stays off
+        if cfg.cuda_stack_bytes:
+            env["BELAYER_CUDA_STACK_BYTES"] = str(cfg.cuda_stack_bytes)
+            paths.insert(0, str(GPU_HOOKS_DIR))
         if cfg.memory_saver and cfg.memory_saver_graphs:  # without it the `cuda_graph` tag releases nothing
             env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
     if paths:

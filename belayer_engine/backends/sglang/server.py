@@ -25,7 +25,8 @@ from .launcher import SGLangServerConfig, server_argv, server_env
 
 
 def parse(argv: list[str] | None = None) -> SGLangServerConfig:
-    p = argparse.ArgumentParser(prog="python -m belayer_engine.backends.sglang.server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m belayer_engine.backends.sglang.server", description=__doc__,
+                                allow_abbrev=False)  # unknown flags go to SGLang whole, never abbreviations of ours
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -37,6 +38,8 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
     p.add_argument("--key-dir", default=None, help="where the 0600 api-key file goes (default: $TMPDIR)")
     p.add_argument("--memory-saver", action="store_true", help="GPU: the KV cache is releasable (shadows)")
     p.add_argument("--memory-saver-graphs", action="store_true", help="with --memory-saver: CUDA graphs too")
+    p.add_argument("--cuda-stack-bytes", type=int, default=0,
+                   help="GPU: the scheduler's CUDA per-thread stack limit once built (0: the driver's default)")
     args, extra = p.parse_known_args(argv)
     secret = worker_auth.take_from_env()
     if secret:
@@ -47,7 +50,8 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
     return SGLangServerConfig(model_path=args.model_path, host=args.host, port=args.port, device=args.device,
                               weight_cache_socket=args.weight_cache_socket, venv=args.venv,
                               memory_saver=args.memory_saver,
-                              memory_saver_graphs=args.memory_saver_graphs, extra_args=extra)
+                              memory_saver_graphs=args.memory_saver_graphs,
+                              cuda_stack_bytes=args.cuda_stack_bytes, extra_args=extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
+from belayer_core.errors import ConfigError
 from belayer_engine.backends.sglang import shm_files
 from belayer_engine.backends.sglang.launcher import (
     SHIMS_DIR,
@@ -128,9 +130,6 @@ def _fake_venv(tmp_path, *packages: str) -> str:
 def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
     """On a GPU with torch_memory_saver in SGLang's env, only the shadow gets the saver
     (the serving worker keeps prefill graphs); impossible requests are errors, not ignored."""
-    import pytest
-
-    from belayer_core.errors import ConfigError
     from belayer_engine.backends.base import SlotSpec, WorkerSpec
     from belayer_engine.backends.sglang.backend import SGLangBackend
     from belayer_engine.supervisor.config import SupervisorConfig
@@ -174,3 +173,57 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
     assert "--disable-prefill-cuda-graph" in server_argv(with_graphs)  # not capturable under the graph hook
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         server_argv(SGLangServerConfig(model_path="m", port=9, device="cpu", venv=saver, memory_saver=True))
+
+
+def test_cuda_stack_limit_reaches_gpu_servers_only(tmp_path, monkeypatch):
+    from belayer_engine.backends.base import SlotSpec, WorkerSpec
+    from belayer_engine.backends.sglang.backend import SGLangBackend
+    from belayer_engine.backends.sglang.launcher import GPU_HOOKS_DIR
+    from belayer_engine.supervisor.config import SupervisorConfig
+
+    monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
+    venv = _fake_venv(tmp_path)
+    gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=venv, cuda_stack_bytes=256)
+    env = server_env(gpu, base={"PYTHONPATH": "/project"})
+    assert env["BELAYER_CUDA_STACK_BYTES"] == "256" and env["PYTHONPATH"] == str(GPU_HOOKS_DIR)
+    assert "BELAYER_CUDA_STACK_BYTES" not in server_env(gpu.model_copy(update={"cuda_stack_bytes": 0}), base={})
+    with pytest.raises(ConfigError, match="cuda_stack_bytes=256 needs a CUDA device"):
+        server_argv(gpu.model_copy(update={"device": "cpu"}))
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        SGLangBackend("m", venv=venv, device="cpu", cuda_stack_bytes=256)
+    with pytest.raises(ValueError, match="sglang_cuda_stack_bytes only apply to backend='sglang'"):
+        SupervisorConfig(sglang_cuda_stack_bytes=256)
+
+    slot = SlotSpec(name="w0", device="cuda:0", arena_socket=tmp_path / "a.sock", run_dir=tmp_path)
+    for shadow in (False, True):
+        argv = SGLangBackend("m", venv=venv, device="cuda:0", cuda_stack_bytes=512).worker_argv(
+            slot, WorkerSpec(worker_id="w", host="127.0.0.1", port=8, shadow=shadow))
+        assert argv[argv.index("--cuda-stack-bytes") + 1] == "512"
+    from belayer_engine.backends.sglang.server import parse
+
+    parsed = parse(["--model-path", "m", "--port", "9", "--device", "cuda:0", "--cuda-stack-bytes", "256",
+                    "--cuda-graph-max-bs-prefill", "64"])
+    assert parsed.cuda_stack_bytes == 256 and parsed.extra_args == ["--cuda-graph-max-bs-prefill", "64"]
+
+
+def test_cuda_stack_hook_wraps_the_real_sglang_scheduler():
+    """The hook, in SGLang's own interpreter, wraps the Scheduler class SGLang imports (the
+    CUDA call itself needs a GPU: tests/.../test_sglang_gpu_deterministic.py runs it)."""
+    import subprocess
+
+    from belayer_engine.backends.sglang.launcher import GPU_HOOKS_DIR, venv_python
+    from tests.belayer_engine.backends.sglang.conftest import sglang_venv
+
+    cpu_env = server_env(SGLangServerConfig(model_path="m", port=9, venv=sglang_venv()))
+    env = {**cpu_env, "BELAYER_CUDA_STACK_BYTES": "256",
+           "PYTHONPATH": os.pathsep.join([str(GPU_HOOKS_DIR), cpu_env.get("PYTHONPATH", "")])}
+    probe = ("import sys\n"  # the CPU shims' own sitecustomize ran too (ours runs the next one)
+             "assert not any(p.endswith('cpu_shims') for p in sys.path) or "
+             "any(type(f).__name__ == '_DeclareTorchvisionOps' for f in sys.meta_path)\n"
+             "from sglang.srt.managers.scheduler import Scheduler\n"
+             "print(Scheduler.__init__.__qualname__)\n"
+             "import sitecustomize; sitecustomize._lower_stack(256)  # no CUDA context: a no-op\n")
+    out = subprocess.run([str(venv_python(sglang_venv())), "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "_after_init.<locals>.__init__", out.stdout
