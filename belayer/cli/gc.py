@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="remove sandbox containers, engine processes and arena shm files whose owner is gone",
                        description="Remove Belayer sandbox containers whose owner process no longer runs, end engine "
                                    "processes (arenas, workers, shadows) whose engine is gone (owner pid + start "
-                                   "time), remove the /dev/shm files (weights, KV) of arenas that were killed, "
+                                   "time), remove the /dev/shm files (weights, KV) of arenas that were killed "
+                                   "and the temporary run dirs (logs, sockets) of engines that were, "
                                    "the shared layers of forks that no container uses any more, the processes of "
                                    "dumps whose checkpointer died (runc, CRIU, action scripts), and the copies of "
                                    "checkpoints that containerd unpacked for restores whose process is gone "
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from belayer_engine.arena.shm_files import orphaned, reap_orphans
     from belayer_engine.backends.sglang import shm_files as sglang_shm
     from belayer_engine.owner import orphans
+    from belayer_engine.supervisor import run_dir as engine_run_dirs
     from belayer_env.ops.gc import (
         GcReport,
         dump_helpers,
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     helpers_ended = [] if args.dry_run else end_dump_helpers(helpers)
     arena_files = [str(p) for p in orphaned()] if args.dry_run else reap_orphans()
     arena_files += [str(p) for p in sglang_shm.orphaned()] if args.dry_run else sglang_shm.reap_orphans()
+    run_dirs = [str(p) for p in engine_run_dirs.orphaned()] if args.dry_run else engine_run_dirs.reap_orphans()
     client = connect(timeout=DOCKER_TIMEOUT_S)  # every Docker call bounded: a wedged container cannot hang gc
     managed = list_managed(client)
     targets = [c for c in managed if args.all or c.orphaned]
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             "dump_helpers": [{"pid": h.pid, "comm": h.comm, "owner": h.owner, "container": h.container,
                               "ended": h.pid in helpers_ended} for h in helpers],
             "arena_files": arena_files,
+            "engine_run_dirs": run_dirs,
             "shared_layers": shared_layers,
             "containerd_checkpoint_copies": copies,
             "dry_run": args.dry_run,
@@ -99,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{verb:>12}  {h.comm} {h.pid}  (a dump of {h.container[:12]}; its checkpointer {h.owner} is gone)")
         for path in arena_files:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (arena process gone)")
+        for path in run_dirs:
+            print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (engine run dir; its engine is gone)")
         for name in shared_layers:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  shared fork layer {name}  "
                   "(no container uses it" + (" now)" if args.dry_run else ")"))

@@ -33,7 +33,7 @@ from belayer_engine.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
 from belayer_engine.supervisor.handover import Handover
 from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully, template_supported
-from belayer_engine.supervisor.run_dir import private_run_dir
+from belayer_engine.supervisor.run_dir import private_run_dir, temp_run_dir
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
 from belayer_engine.supervisor.weight_sync import WeightSync
 from belayer_engine.supervisor.weights import RetainedWeights
@@ -77,7 +77,7 @@ class Supervisor(Handover, WeightSync):
         if cfg.run_dir:
             run_dir = private_run_dir(Path(cfg.run_dir))
         else:
-            self._tmp = tempfile.TemporaryDirectory(prefix="belayer-engine-")
+            self._tmp = temp_run_dir()
             run_dir = Path(self._tmp.name)
         self.run_dir = run_dir
         self._session = aiohttp.ClientSession(headers=worker_auth.headers(self.worker_secret))

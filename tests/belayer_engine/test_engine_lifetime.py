@@ -18,6 +18,7 @@ import pytest
 
 from belayer_engine import RecoverableEngine
 from belayer_engine.arena.shm_files import SHM_DIR, SHM_PREFIX
+from belayer_engine.supervisor import run_dir as run_dirs
 
 from .conftest import REPO, poll
 
@@ -29,7 +30,8 @@ from belayer_engine import RecoverableEngine
 with RecoverableEngine.launch(workers=1, shadow=True) as eng:
     eng.wait_ready(timeout=180)
     s = eng.status()["slots"]["w0"]
-    print(json.dumps({"arena": s["arena_pid"], "worker": s["worker_pid"], "shadow": s["shadow_pid"]}), flush=True)
+    print(json.dumps({"arena": s["arena_pid"], "worker": s["worker_pid"], "shadow": s["shadow_pid"],
+                      "run_dir": str(eng.supervisor.run_dir)}), flush=True)
     sys.stdin.readline()  # the test has looked at the children
     if sys.argv[1] == "raise":
         raise RuntimeError("the owner's code failed")
@@ -55,7 +57,8 @@ def start_engine_process(mode: str) -> tuple[subprocess.Popen, dict]:
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = p.stdout.readline()
     assert line, f"engine script ended early (exit {p.wait()})"
-    return p, json.loads(line)
+    pids = json.loads(line)
+    return p, pids, Path(pids.pop("run_dir"))
 
 
 def test_a_clean_stop_removes_the_arena_files():
@@ -69,10 +72,11 @@ def test_a_clean_stop_removes_the_arena_files():
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "raise"])
 def test_children_end_with_their_engine(how):
-    p, pids = start_engine_process(how)
+    p, pids, run_dir = start_engine_process(how)
     try:
         files = shm_files(pids["arena"])
         assert files and all(alive(pid) for pid in pids.values())
+        assert run_dir not in run_dirs.orphaned()  # its engine runs
         if how == "raise":
             p.stdin.write("go\n")
             p.stdin.flush()
@@ -82,6 +86,11 @@ def test_children_end_with_their_engine(how):
         for role, pid in pids.items():
             poll(lambda pid=pid: not alive(pid), 30, f"the {role} (pid {pid}) to end after its engine ({how})")
         poll(lambda: not any(f.exists() for f in files), 30, "the arena's shm files to be removed")
+        if how == "raise":  # the engine's own clean-up ran
+            assert not run_dir.exists()
+        else:  # no clean-up of its own: its run dir is an orphan for belayer gc
+            assert run_dir.exists() and run_dir in run_dirs.orphaned()
+            assert str(run_dir) in run_dirs.reap_orphans() and not run_dir.exists()
     finally:
         if p.poll() is None:
             p.kill()
@@ -90,7 +99,7 @@ def test_children_end_with_their_engine(how):
 
 def test_gc_ends_a_child_that_could_not_react(tmp_path):
     """A stopped arena cannot act on its owner's death: ``belayer gc`` ends it and removes its files."""
-    p, pids = start_engine_process("SIGKILL")
+    p, pids, run_dir = start_engine_process("SIGKILL")
     try:
         arena = pids["arena"]
         files = shm_files(arena)
@@ -105,6 +114,7 @@ def test_gc_ends_a_child_that_could_not_react(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert dry.returncode == 0, dry.stderr
         assert arena in [e["pid"] for e in json.loads(dry.stdout)["engine_processes"]] and alive(arena)
+        assert str(run_dir) in json.loads(dry.stdout)["engine_run_dirs"] and run_dir.exists()
         out = subprocess.run([sys.executable, "-m", "belayer", "gc", "--json"], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -112,6 +122,7 @@ def test_gc_ends_a_child_that_could_not_react(tmp_path):
         assert next(e for e in summary["engine_processes"] if e["pid"] == arena)["ended"]
         assert not alive(arena)
         assert not any(f.exists() for f in files)
+        assert str(run_dir) in summary["engine_run_dirs"] and not run_dir.exists()
     finally:
         with_pids = [p.pid, *pids.values()]
         for pid in with_pids:
