@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recover-while-idle", action="store_true",
                    help="restore a sandbox that dies between actions in the background; faults also hit it "
                         "while the scripted agent thinks")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="trials at once, each in its own sandbox (default 1; the fault schedule is the seed's)")
     p.add_argument("--out", metavar="FILE", help="append each trial as a JSON line to FILE (long runs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
@@ -35,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from belayer_core.errors import UsageError
     from belayer_env.consistency import run_consistency
 
-    if args.trials < 1 or args.checkpoint_every < 1:
-        raise UsageError("--trials and --checkpoint-every must be >= 1")
+    if args.trials < 1 or args.checkpoint_every < 1 or args.jobs < 1:
+        raise UsageError("--trials, --checkpoint-every and --jobs must be >= 1")
 
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 - closed below
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_consistency(args.trials, seed=args.seed, checkpoint_every=args.checkpoint_every,
                                  standby=args.standby, spare=args.spare, idle=args.recover_while_idle,
-                                 progress=progress)
+                                 jobs=args.jobs, progress=progress)
     finally:
         if out is not None:
             out.close()

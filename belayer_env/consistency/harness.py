@@ -24,11 +24,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from belayer_core.errors import InfraError
+from belayer_core.errors import InfraError, UsageError
 from belayer_env.consistency.workload import ACTIONS, N_STEPS, SETUP, exactly_once_violations, probe
 from belayer_env.env.policy import AlwaysPolicy
 from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
@@ -80,6 +81,7 @@ class ConsistencyReport(BaseModel):
     golden_s: float
     total_s: float
     seed: int
+    jobs: int = 1
 
 
 class _Golden(BaseModel):
@@ -282,27 +284,34 @@ def run_trial(trial: int, fault: Fault, golden: _Golden, checkpoint_every: int,
 
 
 def run_consistency(trials: int, *, seed: int = 0, checkpoint_every: int = 2, standby: bool = False,
-                    spare: bool = False, idle: bool = False,
+                    spare: bool = False, idle: bool = False, jobs: int = 1,
                     progress: Callable[[TrialResult], None] | None = None) -> ConsistencyReport:
     """Golden run, then ``trials`` faulty trials; counterexamples are reported, never hidden.
 
     ``standby``: the env keeps a standby and faults also hit its preparation and thaw.
     ``spare``: the env keeps a restore spare (a container created ahead for restores).
-    ``idle``: the env restores deaths between actions in the background, and faults hit there."""
+    ``idle``: the env restores deaths between actions in the background, and faults hit there.
+    ``jobs``: trials run at once, each its own env and sandbox (the schedule of faults is
+    the seed's whatever ``jobs`` is; ``progress`` sees trials as they end, on this thread)."""
+    if jobs < 1:
+        raise UsageError(f"jobs must be >= 1, got {jobs}")
     t0 = time.monotonic()
     rng = random.Random(seed)
     golden = _golden(checkpoint_every, standby, spare, idle)
+    faults = [_draw_fault(rng, golden, checkpoint_every, standby, idle) for _ in range(trials)]
     results = []
-    for i in range(trials):
-        r = run_trial(i, _draw_fault(rng, golden, checkpoint_every, standby, idle), golden, checkpoint_every,
-                      standby, spare, idle)
-        results.append(r)
-        if progress:
-            progress(r)
+    with ThreadPoolExecutor(jobs, thread_name_prefix="consistency-trial") as pool:
+        running = [pool.submit(run_trial, i, fault, golden, checkpoint_every, standby, spare, idle)
+                   for i, fault in enumerate(faults)]
+        for done in as_completed(running):
+            results.append(done.result())
+            if progress:
+                progress(results[-1])
+    results.sort(key=lambda r: r.trial)
     by_where: dict[str, int] = {}
     for r in results:
         by_where[r.fault.where] = by_where.get(r.fault.where, 0) + 1
     return ConsistencyReport(
         trials=trials, passed=sum(r.ok for r in results), counterexamples=[r for r in results if not r.ok],
         faults_fired=sum(r.fault.fired for r in results), rollbacks=sum(len(r.rollbacks) for r in results),
-        by_where=by_where, golden_s=golden.duration_s, total_s=time.monotonic() - t0, seed=seed)
+        by_where=by_where, golden_s=golden.duration_s, total_s=time.monotonic() - t0, seed=seed, jobs=jobs)

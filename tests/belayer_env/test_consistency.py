@@ -11,10 +11,11 @@ from belayer_env.env.recoverable import RecoverableSandboxEnv
 
 CI_TRIALS = 30
 STANDBY_TRIALS = 12
+JOBS = 2  # trials at once: faults also land while the host checkpoints or restores another sandbox
 
 
 def test_thirty_faulty_trials_converge_to_the_golden_state():
-    report = run_consistency(CI_TRIALS, seed=2024)
+    report = run_consistency(CI_TRIALS, seed=2024, jobs=JOBS)
     details = [(r.fault.model_dump(), r.problems, r.events) for r in report.counterexamples]
     assert report.passed == CI_TRIALS and not report.counterexamples, json.dumps(details, indent=1)[:6000]
     assert report.faults_fired >= CI_TRIALS * 0.9  # a trial whose fault never fired proves nothing
@@ -45,11 +46,12 @@ def test_cli_json(capsys):
     assert main(["consistency", "--trials", "1", "--seed", "3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["trials"] == 1 and report["passed"] == 1 and report["counterexamples"] == []
+    assert main(["consistency", "--trials", "1", "--jobs", "0"]) == 2  # a usage error, nothing run
 
 
 def test_trials_with_the_standby_path_on_converge():
     """Standby on: faults also hit its preparation and its thaw; zero counterexamples."""
-    report = run_consistency(STANDBY_TRIALS, seed=15, standby=True)
+    report = run_consistency(STANDBY_TRIALS, seed=15, standby=True, jobs=JOBS)
     details = [(r.fault.model_dump(), r.problems, r.events) for r in report.counterexamples]
     assert report.passed == STANDBY_TRIALS and not report.counterexamples, json.dumps(details, indent=1)[:6000]
     assert report.by_where.get("standby", 0) >= 1
@@ -59,7 +61,7 @@ def test_trials_with_the_standby_path_on_converge():
 def test_trials_with_restores_while_idle_converge():
     """``recover_while_idle`` on (and the standby): faults also kill the sandbox while the
     scripted agent thinks; a restore then runs in the background. Zero counterexamples."""
-    report = run_consistency(STANDBY_TRIALS, seed=124, standby=True, idle=True)
+    report = run_consistency(STANDBY_TRIALS, seed=124, standby=True, idle=True, jobs=JOBS)
     details = [(r.fault.model_dump(), r.problems, r.events) for r in report.counterexamples]
     assert report.passed == STANDBY_TRIALS and not report.counterexamples, json.dumps(details, indent=1)[:6000]
     assert report.by_where.get("idle", 0) >= 3

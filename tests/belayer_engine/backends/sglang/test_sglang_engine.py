@@ -1,6 +1,6 @@
 """RecoverableEngine over real SGLang servers: openai SDK, SIGKILL mid-stream with several
-concurrent greedy streams, a weight update that the shadow serves, arena SIGKILL, logprobs
-and n > 1 across a SIGKILL.
+concurrent greedy streams, a weight update that the shadow serves, logprobs and n > 1
+across a SIGKILL, then an arena SIGKILL (the cold path).
 
 One engine for the module (tests run in file order and build on each other's state), with
 ``recovery="replay"``: a failed request's ids are decoded again on the shadow, forced. The
@@ -29,7 +29,7 @@ from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 from tests.conftest import process_alive, wait_until
 
-from .conftest import sglang_venv
+from .conftest import HoldServer, sglang_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -68,51 +68,6 @@ def _complete(engine, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[list[i
         extra_body={"ignore_eos": True, "return_token_ids": True})
     choice = out.choices[0]
     return list(choice.model_extra["token_ids"]), out.model_extra["belayer"]
-
-
-class _HoldServer:
-    """Runs the serving SGLang server's process group in short slices (SIGCONT, a few ms,
-    SIGSTOP) until the stream reader that completes the set of started streams stops it for
-    good, at that chunk: the fault that follows lands while the streams are mid-generation,
-    however late this process's readers run. Unpaced, two CI runs saw the server end every
-    48-token stream before its reader had four tokens, and a rehearsal with 256-token streams
-    and the server at nice 19 did too (stream readers and router share this process's one
-    interpreter lock while the server decodes on the other core)."""
-
-    RUN_S, PAUSE_S = 0.005, 0.095  # pacing, not synchronisation: the server gets a few % of a core
-
-    def __init__(self, engine, streams: int):
-        self._pgid = os.getpgid(engine.worker_pid(0))
-        self._streams, self._seen, self._lock = streams, {}, threading.Lock()
-        self.held = threading.Event()
-        self.since, self.at_hold = time.monotonic(), None  # what the failure texts report
-        os.killpg(self._pgid, signal.SIGSTOP)
-        threading.Thread(target=self._pace, name="pace-sglang", daemon=True).start()
-
-    def _pace(self) -> None:
-        try:
-            while not self.held.is_set():
-                with self._lock:
-                    if self.held.is_set():
-                        return
-                    os.killpg(self._pgid, signal.SIGCONT)
-                time.sleep(self.RUN_S)
-                with self._lock:
-                    os.killpg(self._pgid, signal.SIGSTOP)
-                self.held.wait(self.PAUSE_S)
-        except ProcessLookupError:  # the group is gone: nothing left to pace
-            return
-
-    def started(self, stream: int, tokens: int) -> None:
-        with self._lock:
-            self._seen[stream] = tokens
-            if len(self._seen) == self._streams and not self.held.is_set():
-                os.killpg(self._pgid, signal.SIGSTOP)  # a SIGKILL or a cold restart ends it
-                self.at_hold = {"tokens": dict(self._seen), "after_s": round(time.monotonic() - self.since, 3)}
-                self.held.set()
-
-    def wait(self, what: str) -> None:
-        assert self.held.wait(START_S), f"{what} before the fault"
 
 
 def _stream(engine, prompt: str, on_tokens, out: dict) -> None:
@@ -184,7 +139,7 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
 
     engine.wait_ready(timeout=START_S)
     old_pid = engine.worker_pid(0)
-    hold = _HoldServer(engine, len(PROMPTS))
+    hold = HoldServer(engine, len(PROMPTS))
     results = [{} for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(engine, p, partial(hold.started, i), results[i]))
                for i, p in enumerate(PROMPTS)]
@@ -217,28 +172,6 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
     # Back to the model's weights, through the engine: kept, so the arena test below (a cold
     # restart) must come back with these, not the checkpoint's (same values, newer version).
     assert engine.update_weights({"lm_head.weight": lm_head}) == arena.describe()["version"]
-
-
-def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
-    engine.wait_ready(timeout=START_S)
-    expected, _ = _complete(engine, PROMPTS[1], HELD_TOKENS)
-    kept = ArenaClient(engine.arena_socket()).describe()["version"]  # the last engine.update_weights
-    arena_pid = engine.status()["slots"]["w0"]["arena_pid"]
-    since = time.monotonic()
-    # the stream held mid-flight: a 48-token stream on an idle server can finish before the
-    # cold path reaches its server, and then nothing was there to continue (seen in CI);
-    # the cold restart SIGKILLs the stopped group
-    hold, res = _HoldServer(engine, 1), {}
-    t = threading.Thread(target=_stream, args=(engine, PROMPTS[1], partial(hold.started, 0), res))
-    t.start()
-    hold.wait("the stream delivered tokens")
-    os.kill(arena_pid, signal.SIGKILL)
-    engine.wait_event("cold_restart", since, timeout=START_S)
-    t.join(START_S * 2)
-    assert not t.is_alive()
-    assert res["ids"] == expected, "the request completed on the restarted slot, token-identical"
-    assert res["belayer"]["recoveries"] >= 1, f"held at {hold.at_hold}"
-    assert res["belayer"]["weight_versions"] == [kept], "the new arena got the kept weights and their version"
 
 
 def _stream_choices(engine, prompt: str, n: int, max_tokens: int, on_tokens, out: dict) -> None:
@@ -276,7 +209,7 @@ def test_logprobs_and_n_pass_through_and_survive_a_sigkill(engine):
     assert all(v <= 0 for v in want_lp.token_logprobs) and all(len(d) >= 1 for d in want_lp.top_logprobs)
     assert want.model_extra["prompt_token_ids"], "the prompt's ids come back with return_token_ids"
 
-    old_pid, hold, res = engine.worker_pid(0), _HoldServer(engine, 1), {}
+    old_pid, hold, res = engine.worker_pid(0), HoldServer(engine, 1), {}
     t = threading.Thread(target=_stream_choices, args=(engine, PROMPTS[2], 2, max_tokens, partial(hold.started, 0), res))
     t.start()
     hold.wait("both choices delivered tokens")
@@ -293,3 +226,26 @@ def test_logprobs_and_n_pass_through_and_survive_a_sigkill(engine):
         print(f"sglang choice {i}: recoveries={res['summaries'][i]['recoveries']} max |logprob - fault-free| = {worst:.2e}")
         assert worst <= 1e-3, f"choice {i}: logprobs differ from the fault-free run by up to {worst:.2e}"
     wait_until(lambda: engine.worker_pid(0) not in (None, old_pid), 60, "the shadow took over")
+
+
+def test_arena_sigkill_takes_the_cold_path_and_loses_no_request(engine):
+    """Last in the module: the cold path fences every server, so it does not wait for the
+    shadow that replaces the previous test's victim (a kill while it starts is a fault too)."""
+    expected, _ = _complete(engine, PROMPTS[1], HELD_TOKENS)
+    kept = ArenaClient(engine.arena_socket()).describe()["version"]  # the last engine.update_weights
+    arena_pid = engine.status()["slots"]["w0"]["arena_pid"]
+    since = time.monotonic()
+    # the stream held mid-flight: a 48-token stream on an idle server can finish before the
+    # cold path reaches its server, and then nothing was there to continue (seen in CI);
+    # the cold restart SIGKILLs the stopped group
+    hold, res = HoldServer(engine, 1), {}
+    t = threading.Thread(target=_stream, args=(engine, PROMPTS[1], partial(hold.started, 0), res))
+    t.start()
+    hold.wait("the stream delivered tokens")
+    os.kill(arena_pid, signal.SIGKILL)
+    engine.wait_event("cold_restart", since, timeout=START_S)
+    t.join(START_S * 2)
+    assert not t.is_alive()
+    assert res["ids"] == expected, "the request completed on the restarted slot, token-identical"
+    assert res["belayer"]["recoveries"] >= 1, f"held at {hold.at_hold}"
+    assert res["belayer"]["weight_versions"] == [kept], "the new arena got the kept weights and their version"

@@ -34,14 +34,15 @@ from tests.belayer_engine.conftest import free_port, poll
 from tests.belayer_engine.router.native_client import call, generate
 from tests.belayer_engine.router.native_faults import generated_so_far
 
-from .conftest import sglang_venv
+from .conftest import HoldServer, sglang_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 START_S = 600.0
 PROMPT = [72, 101, 108, 108, 111, 32, 98, 101, 108, 97, 121]
-LONG = 1500  # greedy tokens: long enough that a kill at KILL_AT lands mid-generation
+LONG = 1500  # greedy tokens of an aborted request: long enough that the abort lands mid-generation
 KILL_AT = 8
+KILLED_LONG = 200  # greedy tokens of the killed ones: the server is held at KILL_AT (HoldServer)
 LP_TOL = 1e-3  # SGLang's CPU kernels are not bit-stable between batch shapes (see test_sglang_engine)
 OURS_ONLY = {"belayer"}  # meta_info keys the engine adds (its recovery record)
 
@@ -192,24 +193,32 @@ def test_abort_request_answers_like_sglang(servers):
 
 def test_sigkill_of_the_serving_sglang_server_mid_generation(servers):
     """One SIGKILL under two greedy generations, one streamed and one not (one kill: a new
-    SGLang shadow takes minutes to start here)."""
+    SGLang shadow takes minutes to start here). The serving server runs in short slices
+    until both generations have KILL_AT tokens and is then held stopped for the kill, so
+    the kill lands mid-generation however this machine schedules the test."""
     url, eng = servers
     base = eng.base_url.removesuffix("/v1")
     eng.wait_ready(timeout=START_S, stable=True)
-    body = _greedy(max_new=LONG, return_logprob=True)
+    body = _greedy(max_new=KILLED_LONG, return_logprob=True)
     body["sampling_params"]["ignore_eos"] = True
     bare_ids = generate(url, body)[1]["output_ids"]
     want = generate(base, body)[1]
     assert want["output_ids"] == bare_ids
-    results: dict = {}
+    pid = eng.worker_pid(0)
+    hold, results = HoldServer(eng, 2), {}
     threads = [threading.Thread(target=lambda s=stream: results.update({s: generate(  # noqa: B023
         base, {**body, "rid": f"kill-{s}", "stream": s}, timeout=START_S)}), daemon=True) for stream in (False, True)]
     for t in threads:
         t.start()
-    poll(lambda: len(results) or min(generated_so_far(eng, f"kill-{s}") for s in (False, True)) >= KILL_AT,
-         START_S, f"both generations to reach {KILL_AT} tokens", interval=0.005)
+
+    def both_at_the_kill_point() -> bool:
+        for stream in (False, True):
+            if (n := generated_so_far(eng, f"kill-{stream}")) >= KILL_AT:
+                hold.started(stream, n)
+        return hold.held.is_set() or bool(results)
+
+    poll(both_at_the_kill_point, START_S, f"both generations to reach {KILL_AT} tokens", interval=0.005)
     assert not results, f"a generation ended before the kill: {results}"
-    pid = eng.worker_pid(0)
     os.killpg(pid, signal.SIGKILL)
     for t in threads:
         t.join(START_S)
@@ -224,7 +233,7 @@ def test_sigkill_of_the_serving_sglang_server_mid_generation(servers):
         worst = max(abs(a[0] - b[0]) for a, b in zip(meta["output_token_logprobs"],
                                                       want["meta_info"]["output_token_logprobs"], strict=True))
         assert worst <= LP_TOL, worst
-        assert len(meta["weight_versions"]) == 1 and meta["weight_versions"][0]["end"] == LONG
-        assert meta["finish_reason"] == {"type": "length", "length": LONG}
-        print(f"sglang stream={stream}: pid {pid} SIGKILLed; {LONG} ids equal to bare SGLang's; "
+        assert len(meta["weight_versions"]) == 1 and meta["weight_versions"][0]["end"] == KILLED_LONG
+        assert meta["finish_reason"] == {"type": "length", "length": KILLED_LONG}
+        print(f"sglang stream={stream}: pid {pid} SIGKILLed; {KILLED_LONG} ids equal to bare SGLang's; "
               f"max |logprob diff| {worst:.2e}; failed at token {meta['belayer']['failures'][0]['at_token']}")
