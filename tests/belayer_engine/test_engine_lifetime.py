@@ -51,7 +51,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def start_engine_process(mode: str) -> tuple[subprocess.Popen, dict]:
+def start_engine_process(mode: str) -> tuple[subprocess.Popen, dict, Path]:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, mode], cwd=REPO, env=env, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
