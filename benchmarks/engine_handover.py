@@ -389,7 +389,7 @@ def main() -> None:
     p.add_argument("--sglang-shadow-release-graphs", action="store_true",
                    help="the SGLang shadow also releases its decode CUDA graphs while idle")
     p.add_argument("--sglang-cuda-stack-bytes", type=int, default=None,
-                   help="each SGLang server's CUDA per-thread stack limit once built (0: the driver's 1 KiB)")
+                   help="each SGLang server's CUDA per-thread stack limit (default 256; 0: the driver's 1 KiB)")
     p.add_argument("--recovery", choices=["token", "replay"], default="token",
                    help="how a killed stream continues: re-prefill (token) or forced decode (replay; sglang)")
     p.add_argument("--identity", action="store_true",

@@ -22,9 +22,10 @@ class SupervisorConfig(BaseModel):
         default=None, description="sglang backend, with the memory saver: shadows release their decode CUDA "
                                   "graphs too (~0.1 GB less while idle for a 4B model; promotion resumes them)")
     sglang_cuda_stack_bytes: int | None = Field(
-        default=None, ge=0, description="sglang backend on a GPU: each server's CUDA per-thread stack limit once "
-                                        "its scheduler is built (the driver raises it for a kernel that needs "
-                                        "more); None = the backend's default, 0 = the driver's (1 KiB)")
+        default=None, ge=0, description="sglang backend on a GPU: each server's CUDA per-thread stack limit, set "
+                                        "as its scheduler picks its device (the driver raises it for any kernel "
+                                        "that needs more); None = the backend's default (256), 0 = the driver's "
+                                        "(1 KiB)")
 
     workers: int = Field(default=1, ge=1)
     shadow: bool = True

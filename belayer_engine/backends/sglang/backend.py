@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 WARMUP_PROMPT_LENS = (16, 256)  # token ids of two warm-up prompts (prefill kernels at two sizes)
 SHADOW_PREFILL_GRAPH_TOKENS = 512
-DEFAULT_CUDA_STACK_BYTES = 0  # per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB)
+# Per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB). 256 saves ~200 MiB per
+# server on an H200 (measured: 1,868 -> 1,670 MiB, same greedy ids); see gpu_hooks/README.md.
+DEFAULT_CUDA_STACK_BYTES = 256
 PREFILL_GRAPH_FLAGS = ("--cuda-graph-max-bs-prefill", "--piecewise-cuda-graph-max-tokens", "--disable-prefill-cuda-graph")
 
 

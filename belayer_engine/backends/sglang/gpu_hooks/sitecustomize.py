@@ -4,8 +4,10 @@
 A CUDA context reserves local memory for every thread the GPU can hold at once, sized by
 the per-thread stack limit (1 KiB by default: ~200 MiB of the ~630 MiB a torch context
 takes on an H200). SGLang leaves the limit alone. This lowers it in each scheduler process
-once the scheduler is built (model mapped, KV pool allocated, CUDA graphs captured); the
-driver raises it again for any later kernel that needs more, so nothing runs short.
+as soon as the scheduler picks its device, before any kernel runs: every kernel launched
+after, those captured into CUDA graphs included, makes the driver raise the limit to what
+it needs. Lowered later (after the graphs were captured), replayed graph kernels overflow
+their stack: "unspecified launch failure" on the H200, seen on the first decode.
 Runs in SGLang's interpreter: standard library at import, torch only once SGLang loaded it.
 """
 
@@ -19,34 +21,55 @@ SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 STACK_LIMIT = 0  # cudaLimitStackSize
 
 
-def _lower_stack(nbytes: int) -> None:
+def _stack_limit(set_to: int | None = None) -> tuple[int, int] | None:
+    """(before, after) of the current device's per-thread stack limit, set first when
+    ``set_to`` is given; None before CUDA is initialised or without the runtime library."""
     import torch
 
     if not torch.cuda.is_initialized():
-        return
-    torch.cuda.synchronize()
+        return None
     with open("/proc/self/maps") as maps:
         paths = [line.split()[-1] for line in maps if "libcudart" in line]
     if not paths:
-        print("belayer: CUDA runtime not found; per-thread stack left as it is", file=sys.stderr)
-        return
+        return None
     rt = ctypes.CDLL(paths[0])
     before, after = ctypes.c_size_t(), ctypes.c_size_t()
     rt.cudaDeviceGetLimit(ctypes.byref(before), STACK_LIMIT)
-    rc = rt.cudaDeviceSetLimit(STACK_LIMIT, ctypes.c_size_t(nbytes))
+    if set_to is not None:
+        rt.cudaDeviceSetLimit(STACK_LIMIT, ctypes.c_size_t(set_to))
     rt.cudaDeviceGetLimit(ctypes.byref(after), STACK_LIMIT)
-    print(f"belayer: CUDA per-thread stack {before.value} -> {after.value} bytes (rc {rc})",
-          file=sys.stderr, flush=True)
+    return before.value, after.value
 
 
-def _after_init(scheduler_class: type, nbytes: int) -> None:
-    init = scheduler_class.__init__
+def _report(what: str, limits: tuple[int, int] | None) -> None:
+    text = f"{limits[0]} -> {limits[1]} bytes" if limits else "left as it is (no CUDA runtime in this process)"
+    print(f"belayer: CUDA per-thread stack {what}: {text}", file=sys.stderr, flush=True)
+
+
+def _install(scheduler_module, nbytes: int) -> None:
+    """Lower the limit right after the scheduler's first ``torch.cuda.set_device`` (before
+    the model, the KV pool and the CUDA graphs); report the limit the kernels left once the
+    scheduler is built."""
+    import torch
+
+    set_device = torch.cuda.set_device
+    lowered = []
+
+    def set_device_then_lower(device):
+        set_device(device)
+        if not lowered:
+            lowered.append(True)
+            _report("lowered", _stack_limit(nbytes))
+
+    torch.cuda.set_device = set_device_then_lower
+    init = scheduler_module.Scheduler.__init__
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        _lower_stack(nbytes)
+        limits = _stack_limit()
+        _report("once built", limits and (nbytes, limits[1]))
 
-    scheduler_class.__init__ = __init__
+    scheduler_module.Scheduler.__init__ = __init__
 
 
 class _SchedulerHook(importlib.abc.MetaPathFinder):
@@ -66,7 +89,7 @@ class _SchedulerHook(importlib.abc.MetaPathFinder):
 
         def exec_and_wrap(module):
             exec_module(module)
-            _after_init(module.Scheduler, self.nbytes)
+            _install(module, self.nbytes)
 
         spec.loader.exec_module = exec_and_wrap
         return spec

@@ -207,8 +207,9 @@ def test_cuda_stack_limit_reaches_gpu_servers_only(tmp_path, monkeypatch):
 
 
 def test_cuda_stack_hook_wraps_the_real_sglang_scheduler():
-    """The hook, in SGLang's own interpreter, wraps the Scheduler class SGLang imports (the
-    CUDA call itself needs a GPU: tests/.../test_sglang_gpu_deterministic.py runs it)."""
+    """The hook, in SGLang's own interpreter, wraps the Scheduler class SGLang imports and
+    the scheduler's torch.cuda.set_device (the CUDA calls themselves need a GPU:
+    benchmarks/sglang_server_memory.py runs them on one and compares greedy ids)."""
     import subprocess
 
     from belayer_engine.backends.sglang.launcher import GPU_HOOKS_DIR, venv_python
@@ -221,9 +222,10 @@ def test_cuda_stack_hook_wraps_the_real_sglang_scheduler():
              "assert not any(p.endswith('cpu_shims') for p in sys.path) or "
              "any(type(f).__name__ == '_DeclareTorchvisionOps' for f in sys.meta_path)\n"
              "from sglang.srt.managers.scheduler import Scheduler\n"
-             "print(Scheduler.__init__.__qualname__)\n"
-             "import sitecustomize; sitecustomize._lower_stack(256)  # no CUDA context: a no-op\n")
+             "import torch, sitecustomize\n"
+             "print(Scheduler.__init__.__qualname__, torch.cuda.set_device.__name__)\n"
+             "assert sitecustomize._stack_limit(256) is None  # no CUDA context: a no-op\n")
     out = subprocess.run([str(venv_python(sglang_venv())), "-c", probe], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "_after_init.<locals>.__init__", out.stdout
+    assert out.stdout.strip() == "_install.<locals>.__init__ set_device_then_lower", out.stdout
