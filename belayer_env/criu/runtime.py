@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer_core.errors import UsageError
-from belayer_core.procfs import session_members
+from belayer_core.procfs import processes
 from belayer_env.criu import cgroup_yard, helpers
 from belayer_env.criu.hooks import CriuError, FreezeHooks, HookRelay
 from belayer_env.host import fast_tar
@@ -186,11 +186,16 @@ def _run_dump(argv: list[str], env: dict[str, str], work: Path, abort: threading
 
 def kill_session(sid: int) -> list[int]:
     """SIGKILL every process of session ``sid`` (runc is its leader; CRIU and its helpers
-    inherit it). Returns the pids signalled."""
-    killed = []
-    for pid in session_members(sid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    inherit it), scanning again until a scan finds no live member it has not signalled: a
+    child forked after one scan and before its parent's SIGKILL shows in the next (once
+    signalled, a process forks no more). CRIU forks such children early in every dump
+    (``fork_and_ptrace_attach``'s helper, which sleeps until killed): one scan left them
+    orphaned for good. Returns the pids signalled."""
+    killed: list[int] = []
+    while new := [p.pid for p in processes() if p.session == sid and p.running and p.pid not in killed]:
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
             killed.append(pid)
     return killed
 
