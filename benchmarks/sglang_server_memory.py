@@ -53,6 +53,15 @@ def post(url: str, body: dict | None = None, timeout: float = 120) -> dict | Non
         return None
 
 
+def get_json(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError) as exc:
+        print(f"GET {url} failed: {exc!r}", flush=True)
+        return None
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as resp:
@@ -78,9 +87,10 @@ def timed(fn) -> float:
     return round(time.perf_counter() - t0, 4)
 
 
-def start_servers(model_dir: str, device: str, wcache: str, logs: Path) -> dict:
+def start_servers(model_dir: str, device: str, wcache: str, logs: Path, names: list[str]) -> dict:
     servers = {}
-    for i, (name, (stack, saver, prefill)) in enumerate(VARIANTS.items()):
+    for i, name in enumerate(names):
+        stack, saver, prefill = VARIANTS[name]
         cfg = SGLangServerConfig(model_path=model_dir, port=31000 + i, device=device, weight_cache_socket=wcache,
                                  memory_saver=saver, cuda_stack_bytes=stack,
                                  extra_args=["--cuda-graph-max-bs-prefill", str(prefill)])
@@ -99,7 +109,7 @@ def start_servers(model_dir: str, device: str, wcache: str, logs: Path) -> dict:
     return servers
 
 
-def measure(model_dir: str, device: str) -> dict:
+def measure(model_dir: str, device: str, names: list[str]) -> dict:
     run = Path(tempfile.mkdtemp(prefix="sglang-memory-"))
     sock, wcache = str(run / "arena.sock"), str(run / "wcache.sock")
     arena = subprocess.Popen([sys.executable, "-m", "belayer_engine.arena", "--socket", sock, "--device", device,
@@ -107,7 +117,7 @@ def measure(model_dir: str, device: str) -> dict:
     servers = {}
     try:
         ArenaClient(sock, timeout=120).wait_ready(timeout=600)
-        servers = start_servers(model_dir, device, wcache, run)
+        servers = start_servers(model_dir, device, wcache, run, names)
         for url, proc in servers.values():  # what a shadow's warm-up runs, then the arena's flush
             if proc.poll() is None:
                 for n in (16, 256):
@@ -123,12 +133,13 @@ def measure(model_dir: str, device: str) -> dict:
             answer = post(url + "/generate", {"input_ids": PROMPT, "sampling_params": {
                 "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}) if row["alive"] else None
             row["greedy_ids"] = (answer or {}).get("output_ids")
+            state = get_json(url + "/server_info") if row["alive"] else None
+            # SGLang's own split (GB); its graph figures are exact only with one server at a time
+            row["sglang_memory_usage"] = ((state or {}).get("internal_states") or [{}])[0].get("memory_usage")
             result["variants"][name] = row
-        reference = next(iter(result["variants"].values()))["greedy_ids"]
         prefill_96 = {"input_ids": list(range(1, 97)), "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         for name, row in result["variants"].items():
             url, proc = servers[name]
-            row["ids_equal_first_variant"] = bool(reference) and row["greedy_ids"] == reference
             if not row["alive"]:
                 continue
             if row["kv_released_while_idle"]:
@@ -182,6 +193,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--model-dir", default=None, help="HF-layout model dir (default: the embedded Qwen3-4B shape)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sglang_server_memory_h200.json")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="one variant per arena and run (slower; SGLang's graph memory figures are then exact)")
     p.add_argument("--plot-only", type=Path, default=None, help="re-draw the plot of an existing result JSON")
     args = p.parse_args()
     if args.plot_only:
@@ -193,8 +206,15 @@ def main() -> None:
         from belayer_engine.model.config import ModelConfig
 
         model_dir = str(ensure_embedded_model(cfg=ModelConfig.qwen3_4b()))
-    result = {"source": "bash benchmarks/sglang_gpu_env.sh python3 benchmarks/sglang_server_memory.py",
-              **measure(model_dir, args.device)}
+    groups = [[name] for name in VARIANTS] if args.one_at_a_time else [list(VARIANTS)]
+    runs = [measure(model_dir, args.device, names) for names in groups]
+    result = {"source": "bash benchmarks/sglang_gpu_env.sh python3 benchmarks/sglang_server_memory.py"
+                        + (" --one-at-a-time" if args.one_at_a_time else ""),
+              "arena_gpu_mib": runs[0]["arena_gpu_mib"],
+              "variants": {name: row for run in runs for name, row in run["variants"].items()}}
+    first = next(iter(result["variants"].values()))["greedy_ids"]
+    for row in result["variants"].values():  # across runs too: every variant against the first
+        row["ids_equal_first_variant"] = bool(first) and row["greedy_ids"] == first
     save_result(result, args.out, plot)
     print(json.dumps({k: v for k, v in result.items() if k != "variants"}, indent=1))
     for name, row in result["variants"].items():
