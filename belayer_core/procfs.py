@@ -71,9 +71,9 @@ def processes() -> list[ProcStat]:
     return out
 
 
-def session_members(sid: int) -> list[int]:
-    """Pids of every process of session ``sid``."""
-    return [p.pid for p in processes() if p.session == sid]
+def session_members(sid: int, *, live: bool = False) -> list[int]:
+    """Pids of every process of session ``sid``; with ``live``, only those still ``running``."""
+    return [p.pid for p in processes() if p.session == sid and (p.running or not live)]
 
 
 _CURRENT: dict[int, OwnerId] = {}  # ``OwnerId.current`` (read from /proc once, not per temp dir named)

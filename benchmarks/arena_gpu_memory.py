@@ -18,14 +18,9 @@ from pathlib import Path
 
 import torch
 from _plotting import pyplot, save_result
+from _procmem import gpu_mib
 
 from belayer_engine.arena.client import ArenaClient
-
-
-def gpu_mib(pid: int) -> int | None:
-    out = subprocess.check_output(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                   "--format=csv,noheader,nounits"]).decode()
-    return next((int(m) for p, m in (line.split(",") for line in out.splitlines()) if int(p) == pid), None)
 
 
 def measure(device: str, stack_bytes: int) -> dict:
@@ -38,11 +33,11 @@ def measure(device: str, stack_bytes: int) -> dict:
         client = ArenaClient(sock, timeout=120)
         t0 = time.time()
         client.wait_ready(timeout=300)
-        ready = gpu_mib(proc.pid)
+        ready = gpu_mib().get(proc.pid)
         version = client.update_weights({
             "model.embed_tokens.weight": torch.randn(151936, 2560, dtype=torch.bfloat16),
             "model.layers.0.mlp.gate_proj.weight": torch.randn(9728, 2560, dtype=torch.bfloat16)})
-        return {"stack_bytes": stack_bytes, "ready_mib": ready, "after_update_mib": gpu_mib(proc.pid),
+        return {"stack_bytes": stack_bytes, "ready_mib": ready, "after_update_mib": gpu_mib().get(proc.pid),
                 "version": version, "health_ok": client.health()["device_ok"],
                 "cuda_stack": client.describe()["cuda_stack"], "ready_s": round(time.time() - t0, 1)}
     finally:

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from _plotting import pyplot, save_result
-from _procmem import tree
+from _procmem import gpu_mib, tree_gpu_mib
 
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
@@ -68,17 +68,6 @@ def healthy(url: str) -> bool:
             return resp.status == 200
     except OSError:
         return False
-
-
-def gpu_mib_by_pid() -> dict[int, int]:
-    out = subprocess.check_output(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                   "--format=csv,noheader,nounits"]).decode()
-    return {int(p): int(m) for p, m in (line.split(",") for line in out.splitlines() if line.strip())}
-
-
-def tree_gpu_mib(pid: int) -> int:
-    used = gpu_mib_by_pid()
-    return sum(used.get(p, 0) for p in tree(pid))
 
 
 def timed(fn) -> float:
@@ -125,11 +114,11 @@ def measure(model_dir: str, device: str, names: list[str]) -> dict:
                                              "sampling_params": {"max_new_tokens": 4, "temperature": 0,
                                                                  "ignore_eos": True}})
                 post(url + "/flush_cache")
-        result = {"arena_gpu_mib": tree_gpu_mib(arena.pid), "variants": {}}
+        result = {"arena_gpu_mib": tree_gpu_mib(gpu_mib(), arena.pid), "variants": {}}
         for name, (url, proc) in servers.items():
             stack, saver, prefill = VARIANTS[name]
             row = {"cuda_stack_bytes": stack, "kv_released_while_idle": saver, "prefill_graph_tokens": prefill,
-                   "alive": proc.poll() is None, "gpu_mib": tree_gpu_mib(proc.pid) if proc.poll() is None else None}
+                   "alive": proc.poll() is None, "gpu_mib": tree_gpu_mib(gpu_mib(), proc.pid) if proc.poll() is None else None}
             answer = post(url + "/generate", {"input_ids": PROMPT, "sampling_params": {
                 "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}) if row["alive"] else None
             row["greedy_ids"] = (answer or {}).get("output_ids")
@@ -147,7 +136,7 @@ def measure(model_dir: str, device: str, names: list[str]) -> dict:
                 for k in range(6):
                     post(url + "/release_memory_occupation", {"tags": ["kv_cache"]})
                     if k == 0:
-                        row["released_gpu_mib"] = tree_gpu_mib(proc.pid)
+                        row["released_gpu_mib"] = tree_gpu_mib(gpu_mib(), proc.pid)
                     resume.append(timed(lambda u=url: post(u + "/resume_memory_occupation", {"tags": ["kv_cache"]})))
                     prefill.append(timed(lambda u=url: post(u + "/generate", prefill_96)))
                 row["resume_s"], row["prefill_96_after_resume_s"] = resume, prefill
@@ -177,7 +166,7 @@ def plot(result: dict, path: Path) -> None:
     if released:
         ax.barh([y for y, _ in released], [m for _, m in released], color="#c84", label="idle shadow, KV released")
     for y, (_, row) in enumerate(rows):
-        ax.text(row["gpu_mib"] + 10, y, f"{row['gpu_mib']:,}", va="center", fontsize=7)
+        ax.text(row["gpu_mib"] + 10, y, f"{row['gpu_mib']:,.0f}", va="center", fontsize=7)
     ax.axvline(1536, color="#333", linestyle="--", linewidth=1, label="1.5 GiB")
     ax.set_yticks(list(ys), [name for name, _ in rows], fontsize=7)
     ax.set_xlabel("GPU MiB of one SGLang server on the arena's weights (nvidia-smi)")

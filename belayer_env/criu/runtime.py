@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from belayer_core.errors import UsageError
-from belayer_core.procfs import processes
+from belayer_core.procfs import session_members
 from belayer_env.criu import cgroup_yard, helpers
 from belayer_env.criu.hooks import CriuError, FreezeHooks, HookRelay
 from belayer_env.host import fast_tar
@@ -192,7 +192,7 @@ def kill_session(sid: int) -> list[int]:
     (``fork_and_ptrace_attach``'s helper, which sleeps until killed): one scan left them
     orphaned for good. Returns the pids signalled."""
     killed: list[int] = []
-    while new := [p.pid for p in processes() if p.session == sid and p.running and p.pid not in killed]:
+    while new := [pid for pid in session_members(sid, live=True) if pid not in killed]:
         for pid in new:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -11,26 +11,22 @@ import os
 import signal
 import subprocess
 
-from belayer_core.procfs import processes
+from belayer_core.procfs import session_members
 from belayer_env.criu.runtime import kill_session
 from tests.conftest import wait_until
 
 FORKER = "for i in $(seq 400); do sleep 1000 & done; wait"
 
 
-def _live(sid: int) -> list[int]:
-    return [p.pid for p in processes() if p.session == sid and p.running]
-
-
 def test_a_session_that_keeps_forking_is_ended_whole():
     for _ in range(3):
         leader = subprocess.Popen(["bash", "-c", FORKER], start_new_session=True)
         try:
-            wait_until(lambda leader=leader: len(_live(leader.pid)) > 20, 30, "the leader forked")
+            wait_until(lambda leader=leader: len(session_members(leader.pid, live=True)) > 20, 30, "the leader forked")
             killed = kill_session(leader.pid)
             assert leader.pid in killed
             leader.wait(30)
-            wait_until(lambda leader=leader: not _live(leader.pid), 30, "no process of the session alive")
+            wait_until(lambda leader=leader: not session_members(leader.pid, live=True), 30, "no process of the session alive")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(leader.pid, signal.SIGKILL)
