@@ -10,11 +10,12 @@ What a shadow does before it waits: a warm-up (two short greedy requests: every 
 a prefill and a decode is loaded and compiled, so the first request after promotion pays
 none of it), then, on a GPU with ``torch_memory_saver`` in SGLang's environment, it
 releases its KV cache (``shadow_memory_saver``: None = where available, True = required,
-False = off). Its CUDA graphs stay resident (decode, and prefill up to 512 tokens: ~0.27 GB
-more for a 4B model) unless ``shadow_release_graphs``; promotion then only resumes the KV
-cache, while the arena is asked whether the shadow is still registered. Without the saver
-the shadow keeps its KV resident too: promotion resumes nothing (the fastest handover, at
-the KV's size in GPU memory).
+False = off). Its CUDA graphs stay resident (decode, and prefill up to 128 tokens: a
+re-prefill of a short request takes the graph path) unless ``shadow_release_graphs``;
+promotion then only resumes the KV cache, while the arena is asked whether the shadow is
+still registered. Without the saver the shadow keeps its KV resident too, and torch's
+allocator uses expandable segments there (``launcher.expandable_segments``): promotion
+resumes nothing (the fastest handover, at the KV's size in GPU memory).
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from .launcher import has_package, is_cpu, venv_dir, venv_python
 log = logging.getLogger(__name__)
 
 WARMUP_PROMPT_LENS = (16, 256)  # token ids of two warm-up prompts (prefill kernels at two sizes)
-SHADOW_PREFILL_GRAPH_TOKENS = 512
+# Prefill CUDA graphs of a shadow, up to this many tokens. On an H200 (4B shape, resident KV):
+# 1,504 MiB with 256, 1,444 with 128, 1,422 with 64, 1,288 without; a 96-id prefill 16-33 ms
+# with graphs of >= 128 tokens, 46-63 ms without (benchmarks/results/sglang_server_memory_h200_expandable.json).
+SHADOW_PREFILL_GRAPH_TOKENS = 128
 # Per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB). 256 saves ~200 MiB per
 # server on an H200 (measured: 1,868 -> 1,670 MiB, same greedy ids); see gpu_hooks/README.md.
 DEFAULT_CUDA_STACK_BYTES = 256
@@ -106,8 +110,8 @@ class SGLangBackend:
                 argv.append("--memory-saver-graphs")
         if spec.shadow and not is_cpu(slot.device) and "cuda_graph" not in self.releasable \
                 and not any(a.startswith(PREFILL_GRAPH_FLAGS) for a in self.extra_args):
-            # Prefill CUDA graphs for the re-prefill after a handover, kept small: up to 512
-            # tokens they cost ~0.27 GB on a 4B model (SGLang's default, 4096, ~1.3 GB).
+            # Prefill CUDA graphs for the re-prefill after a handover, kept small (SGLang's
+            # default goes up to the chunked-prefill size, capped at max_total_tokens).
             argv += ["--cuda-graph-max-bs-prefill", str(SHADOW_PREFILL_GRAPH_TOKENS)]
         return argv + (["--shadow"] if spec.shadow else []) + self.extra_args
 

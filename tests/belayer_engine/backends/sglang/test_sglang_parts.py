@@ -131,7 +131,7 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
     """On a GPU with torch_memory_saver in SGLang's env, only the shadow gets the saver
     (the serving worker keeps prefill graphs); impossible requests are errors, not ignored."""
     from belayer_engine.backends.base import SlotSpec, WorkerSpec
-    from belayer_engine.backends.sglang.backend import SGLangBackend
+    from belayer_engine.backends.sglang.backend import SHADOW_PREFILL_GRAPH_TOKENS, SGLangBackend
     from belayer_engine.supervisor.config import SupervisorConfig
 
     monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
@@ -152,7 +152,7 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
     worker = backend.worker_argv(slot, WorkerSpec(worker_id="w", host="127.0.0.1", port=8, shadow=False))
     assert "--memory-saver" in shadow and "--memory-saver" not in worker
     assert "--memory-saver-graphs" not in shadow and backend.releasable == ("kv_cache",)  # graphs stay resident
-    assert shadow[shadow.index("--cuda-graph-max-bs-prefill") + 1] == "512"  # small prefill graphs, shadow only
+    assert shadow[shadow.index("--cuda-graph-max-bs-prefill") + 1] == str(SHADOW_PREFILL_GRAPH_TOKENS)  # small prefill graphs, shadow only
     assert "--cuda-graph-max-bs-prefill" not in worker
     own = SGLangBackend("m", ["--cuda-graph-max-bs-prefill", "64"], venv=saver, device="cuda:0")
     argv = own.worker_argv(slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
@@ -204,6 +204,25 @@ def test_cuda_stack_limit_reaches_gpu_servers_only(tmp_path, monkeypatch):
     parsed = parse(["--model-path", "m", "--port", "9", "--device", "cuda:0", "--cuda-stack-bytes", "256",
                     "--cuda-graph-max-bs-prefill", "64"])
     assert parsed.cuda_stack_bytes == 256 and parsed.extra_args == ["--cuda-graph-max-bs-prefill", "64"]
+
+
+def test_expandable_segments_on_gpu_servers_without_the_saver(tmp_path):
+    """Torch's expandable segments reach a GPU server's environment unless the memory saver
+    runs there (it releases only what cudaMalloc gave, which the segments bypass); the
+    user's own allocator setting wins, and asking for both is an error naming the clash."""
+    venv = _fake_venv(tmp_path)
+    gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=venv)
+    key = "PYTORCH_CUDA_ALLOC_CONF"
+    assert server_env(gpu, base={})[key] == "expandable_segments:True"
+    assert key not in server_env(gpu.model_copy(update={"memory_saver": True}), base={})
+    assert key not in server_env(gpu.model_copy(update={"expandable_segments": False}), base={})
+    assert server_env(gpu, base={key: "max_split_size_mb:64"})[key] == "max_split_size_mb:64"
+    cpu = SGLangServerConfig(model_path="m", port=9, device="cpu", venv=venv)
+    assert key not in server_env(cpu, base={})
+    for bad in (gpu.model_copy(update={"memory_saver": True, "expandable_segments": True}),
+                cpu.model_copy(update={"expandable_segments": True})):
+        with pytest.raises(ConfigError, match="expandable_segments needs a CUDA device and no memory_saver"):
+            server_argv(bad)
 
 
 def test_cuda_stack_hook_wraps_the_real_sglang_scheduler():
