@@ -33,6 +33,7 @@ import random
 import signal
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
 from contextlib import aclosing
@@ -291,6 +292,18 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
+def _model_shape(model_dir: str | None) -> dict | None:
+    """Layers, hidden size and vocabulary of the measured model (config.json); None for the
+    embedded default, which the result then names by ``model_dir: null``."""
+    if model_dir is None:
+        return None
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: cfg.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size", "torch_dtype")}
+
+
 def _memory(worker_pid: int, shadow_pid: int, arena_pid: int | None = None) -> dict:
     gpu = procmem.gpu_mib()
     out = {"worker_rss_mib": _rss_mib(worker_pid), "shadow_rss_mib": _rss_mib(shadow_pid),
@@ -410,11 +423,14 @@ def main() -> None:
         plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
         return
     args.regen_repeats = args.repeats if args.regen_repeats is None else args.regen_repeats
+    if args.model_dir is None and args.device != "cpu":
+        print("engine_handover: no --model-dir: the embedded model (a few layers, not a Qwen3 shape) is measured",
+              file=sys.stderr, flush=True)
     _instrument_router()
     rng = random.Random(7)
     result = {"device": args.device, "backend": args.backend, "host": platform.node(), "cpus": os.cpu_count(), "chunk_tokens": args.chunk_tokens,
               "worker_args": args.worker_arg, "recovery": args.recovery, "model_dir": args.model_dir,
-              "sglang_cuda_stack_bytes": args.sglang_cuda_stack_bytes, "runs": {}}
+              "model": _model_shape(args.model_dir), "sglang_cuda_stack_bytes": args.sglang_cuda_stack_bytes, "runs": {}}
     for mode in args.modes.split(","):
         if mode == "cold-disk":
             if args.backend != "sglang":
