@@ -49,9 +49,9 @@ class SGLangServerConfig(BaseModel):
                                   "limit once it is built (gpu_hooks/); 0 = the driver's default (1 KiB)")
     expandable_segments: bool | None = Field(default=None, description=(
         "GPU only: torch's allocator maps memory in growable segments (PYTORCH_CUDA_ALLOC_CONF="
-        "expandable_segments:True; ~130 MiB less per server on an H200, same greedy ids). None: on where "
-        "memory_saver is off (torch_memory_saver sees only cudaMalloc, which expandable segments bypass); "
-        "a PYTORCH_CUDA_ALLOC_CONF in the environment wins"))
+        "expandable_segments:True; ~130 MiB less per server on an H200, same greedy ids). None: on for a "
+        "one-GPU server where memory_saver is off (torch_memory_saver sees only cudaMalloc, which expandable "
+        "segments bypass); a PYTORCH_CUDA_ALLOC_CONF in the environment wins"))
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -114,9 +114,22 @@ def expandable_segments(cfg: SGLangServerConfig) -> bool:
     """Whether the server's torch allocator grows segments in place instead of caching
     whole ``cudaMalloc`` blocks: less memory reserved but unused (measured on an H200 in
     ``benchmarks/sglang_server_memory.py``), the same kernels and results."""
-    if cfg.expandable_segments is None:
-        return not is_cpu(cfg.device) and not cfg.memory_saver
+    if cfg.expandable_segments is None:  # a server over several GPUs: not measured, left as SGLang has it
+        return not is_cpu(cfg.device) and not cfg.memory_saver and tp_size(cfg.extra_args) == 1
     return cfg.expandable_segments
+
+
+TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
+
+
+def tp_size(extra_args: list[str]) -> int:
+    """The tensor-parallel size SGLang flags in ``extra_args`` ask for (1 when none do)."""
+    for i, arg in enumerate(extra_args):
+        name, _, value = arg.partition("=")
+        if name in TP_FLAGS:
+            value = value or (extra_args[i + 1] if i + 1 < len(extra_args) else "")
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def checkpoint_dtype(model_path: str) -> str | None:

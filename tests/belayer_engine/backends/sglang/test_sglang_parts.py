@@ -217,6 +217,9 @@ def test_expandable_segments_on_gpu_servers_without_the_saver(tmp_path):
     assert key not in server_env(gpu.model_copy(update={"memory_saver": True}), base={})
     assert key not in server_env(gpu.model_copy(update={"expandable_segments": False}), base={})
     assert server_env(gpu, base={key: "max_split_size_mb:64"})[key] == "max_split_size_mb:64"
+    for tp in (["--tp-size", "2"], ["--tp=2"], ["--tensor-parallel-size", "4"]):  # several GPUs: not measured
+        assert key not in server_env(gpu.model_copy(update={"extra_args": tp}), base={})
+    assert server_env(gpu.model_copy(update={"extra_args": ["--tp-size", "1"]}), base={})[key]
     cpu = SGLangServerConfig(model_path="m", port=9, device="cpu", venv=venv)
     assert key not in server_env(cpu, base={})
     for bad in (gpu.model_copy(update={"memory_saver": True, "expandable_segments": True}),
