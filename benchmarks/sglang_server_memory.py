@@ -32,7 +32,12 @@ from _plotting import pyplot, save_result
 from _procmem import gpu_mib, tree, tree_gpu_mib
 
 from belayer_engine.arena.client import ArenaClient
-from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
+from belayer_engine.backends.sglang.launcher import (
+    GPU_HOOKS_DIR,
+    SGLangServerConfig,
+    server_argv,
+    server_env,
+)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ def start_servers(model_dir: str, device: str, wcache: str, logs: Path, names: l
 def _after_hooks(pythonpath: str, entry: str) -> str:
     """``entry`` right after Belayer's gpu_hooks folder (first when there is none)."""
     parts = [p for p in pythonpath.split(":") if p]
-    at = next((i + 1 for i, p in enumerate(parts) if p.rstrip("/").endswith("gpu_hooks")), 0)
+    at = parts.index(str(GPU_HOOKS_DIR)) + 1 if str(GPU_HOOKS_DIR) in parts else 0
     return ":".join(parts[:at] + [entry] + parts[at:])
 
 

@@ -17,7 +17,6 @@ import importlib.abc
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -27,16 +26,13 @@ MIB = 1 << 20
 
 
 def _nvidia_smi_mib() -> float | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        pid, _, used = line.partition(",")
-        if pid.strip() == str(os.getpid()):
-            return float(used)
-    return None
+    """This process's GPU MiB, read by the benchmarks' own ``_procmem.gpu_mib`` (loaded by
+    path: the server's PYTHONPATH holds SGLang's environment, not ``benchmarks/``)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_procmem.py")
+    spec = importlib.util.spec_from_file_location("_belayer_bench_procmem", path)
+    procmem = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(procmem)
+    return procmem.gpu_mib().get(os.getpid())
 
 
 def _module_loading_mode() -> str | None:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 WARMUP_PROMPT_LENS = (16, 256)  # token ids of two warm-up prompts (prefill kernels at two sizes)
 # Prefill CUDA graphs of a shadow, up to this many tokens. On an H200 (4B shape, resident KV):
 # 1,504 MiB with 256, 1,444 with 128, 1,422 with 64, 1,288 without; a 96-id prefill 16-33 ms
-# with graphs of >= 128 tokens, 46-63 ms without (benchmarks/results/sglang_server_memory_h200_expandable.json).
+# with graphs of >= 128 tokens, 46-67 ms with fewer or none (benchmarks/results/sglang_server_memory_h200_expandable.json).
 SHADOW_PREFILL_GRAPH_TOKENS = 128
 # Per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB). 256 saves ~200 MiB per
 # server on an H200 (measured: 1,868 -> 1,670 MiB, same greedy ids); see gpu_hooks/README.md.
