@@ -1,8 +1,9 @@
 """GPU memory of one SGLang server on the arena's weights (a Belayer worker or shadow) under
 the settings that size it: the CUDA per-thread stack limit, the prefill CUDA graphs, torch's
-expandable segments, and the KV cache resident or released. All variants run at once beside one arena on one GPU (each
-process's memory is its own in ``nvidia-smi``), then each answers the same greedy request,
-whose ids must equal the first variant's (the driver's defaults). For the KV-releasing
+expandable segments and cuBLAS workspace, and the KV cache resident or released. All
+variants run at once beside one arena on one GPU (each process's memory is its own in
+``nvidia-smi``), then each answers the same greedy request, whose ids must equal the first
+variant's, and times a 96-id prefill and a batched decode (16 x 64 tokens). For the KV-releasing
 variants it also times ``/resume_memory_occupation`` and the 96-token prefill after it,
 alone, without a killed server's context being torn down beside them. ``--probe`` adds
 ``_sglang_probe/`` to each server's path: its scheduler then reports its memory by phase
@@ -47,6 +48,7 @@ class Variant:
     prefill: int | None = 256  # prefill CUDA graphs up to this many tokens (None: off)
     expandable: bool = False  # torch's expandable segments (launcher's expandable_segments)
     args: tuple[str, ...] = ()  # further SGLang flags
+    cublas: int = 0  # cuBLAS workspace MiB (0: torch's default, 32 on an H200; launcher's cublas_workspace_mib)
 
 
 VARIANTS = {
@@ -65,6 +67,11 @@ VARIANTS = {
     "resident, stack 256, prefill graphs 64, expandable segments": Variant(prefill=64, expandable=True),
     "resident, stack 256, prefill graphs off, expandable segments": Variant(prefill=None, expandable=True),
     "KV released, stack 256, prefill graphs 128": Variant(kv_released=True, prefill=128),
+    "resident, stack 256, prefill graphs 128, expandable segments, cuBLAS workspace 8 MiB":
+        Variant(prefill=128, expandable=True, cublas=8),
+    "resident, stack 256, prefill graphs 96, expandable segments": Variant(prefill=96, expandable=True),
+    "resident, stack 256, prefill graphs 128, expandable segments, no overlap schedule":
+        Variant(prefill=128, expandable=True, args=("--disable-overlap-schedule",)),
 }
 DEFAULT_VARIANTS = list(VARIANTS)[:6]
 PROBE_DIR = Path(__file__).resolve().parent / "_sglang_probe"
@@ -115,8 +122,10 @@ def start_servers(model_dir: str, device: str, wcache: str, logs: Path, names: l
         graphs = ["--cuda-graph-max-bs-prefill", str(v.prefill)] if v.prefill else ["--disable-prefill-cuda-graph"]
         cfg = SGLangServerConfig(model_path=model_dir, port=31000 + i, device=device, weight_cache_socket=wcache,
                                  memory_saver=v.kv_released, cuda_stack_bytes=v.stack,
-                                 expandable_segments=v.expandable, extra_args=graphs + list(v.args))
-        env = server_env(cfg, base={k: x for k, x in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"})
+                                 expandable_segments=v.expandable, cublas_workspace_mib=v.cublas,
+                                 extra_args=graphs + list(v.args))
+        env = server_env(cfg, base={k: x for k, x in os.environ.items()
+                                     if k not in ("PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG")})
         if probe is not None:  # after gpu_hooks, whose sitecustomize runs the probe's
             (probe / str(i)).mkdir(parents=True, exist_ok=True)
             env["BELAYER_MEMORY_PROBE_DIR"] = str(probe / str(i))
@@ -187,6 +196,7 @@ def measure(model_dir: str, device: str, names: list[str], probe: Path | None = 
             gpu = gpu_mib()
             row = {"cuda_stack_bytes": v.stack, "kv_released_while_idle": v.kv_released,
                    "prefill_graph_tokens": v.prefill, "expandable_segments": v.expandable, "args": list(v.args),
+                   "cublas_workspace_mib": v.cublas,
                    "alive": alive,
                    "gpu_mib": tree_gpu_mib(gpu, proc.pid) if alive else None,
                    "gpu_mib_by_process": gpu_by_process(gpu, proc.pid) if alive else None}
@@ -200,6 +210,8 @@ def measure(model_dir: str, device: str, names: list[str], probe: Path | None = 
             row["sglang_memory_usage"] = ((state or {}).get("internal_states") or [{}])[0].get("memory_usage")
             result["variants"][name] = row
         prefill_96 = {"input_ids": list(range(1, 97)), "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        batch = {"input_ids": [[(13 * i + j) % 5000 + 11 for j in range(64)] for i in range(16)],
+                 "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
         for name, row in result["variants"].items():
             url, proc = servers[name]
             if not row["alive"]:
@@ -214,6 +226,8 @@ def measure(model_dir: str, device: str, names: list[str], probe: Path | None = 
                     prefill.append(timed(lambda u=url: post(u + "/generate", prefill_96)))
                 row["resume_s"], row["prefill_96_after_resume_s"] = resume, prefill
             row["prefill_96_s"] = [timed(lambda u=url: post(u + "/generate", prefill_96)) for _ in range(5)]
+            # throughput: 16 greedy requests of 64 tokens decoded together (one batched /generate)
+            row["batch_16x64_s"] = [timed(lambda u=url: post(u + "/generate", batch)) for _ in range(3)]
         return result
     finally:
         for _, proc in servers.values():

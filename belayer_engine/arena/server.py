@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from belayer_core.errors import BelayerError, UsageError, WorkerLost
+from belayer_core.errors import ArenaLost, BelayerError, UsageError, WorkerLost
 from belayer_engine import owner
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
@@ -100,6 +100,11 @@ class ArenaServer:
         if self.device.type == "cuda":  # the loaded HF tensors' blocks go back to the device
             torch.cuda.empty_cache()
         self.cuda_stack = set_thread_stack(self.device, cfg.cuda_stack_bytes)  # (before, after) bytes; None on CPU
+        # CUDA loads kernels lazily: the device check's first run loads its own (20-40 ms on an
+        # H200), which would otherwise land on the first handover's critical path.
+        ok, detail = self.check_device()
+        if not ok:
+            raise ArenaLost(f"arena on {self.device}: the device check failed at start: {detail}")
         self.version, self.slot = 0, 0
         self.cond = threading.Condition()
         self.update_lock = threading.Lock()
@@ -117,20 +122,23 @@ class ArenaServer:
                 "version": self.version, "slot": self.slot, "cuda_stack": self.cuda_stack,
                 "weight_cache": self.export.describe() if self.export else None}
 
-    def health(self) -> dict:
-        device_ok, detail = True, "ok"
+    def check_device(self) -> tuple[bool, str]:
+        """(ok, detail): a kernel runs and its result comes back (GPU), or every shared-memory
+        region still exists (CPU)."""
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 probe = torch.ones(1, device=self.device)
                 device_ok = float((probe + 1).item()) == 2.0
                 free, total = torch.cuda.mem_get_info(self.device)
-                detail = f"free {free >> 20} MiB of {total >> 20} MiB"
-            else:
-                gone = [h["path"] for h in self.handles.values() if not Path(h["path"]).is_file()]
-                device_ok, detail = not gone, f"missing {gone}" if gone else "ok"
+                return device_ok, f"free {free >> 20} MiB of {total >> 20} MiB"
+            gone = [h["path"] for h in self.handles.values() if not Path(h["path"]).is_file()]
+            return not gone, f"missing {gone}" if gone else "ok"
         except Exception as exc:  # a failing device answers unhealthy, never crashes us
-            device_ok, detail = False, f"{type(exc).__name__}: {exc}"
+            return False, f"{type(exc).__name__}: {exc}"
+
+    def health(self) -> dict:
+        device_ok, detail = self.check_device()
         with self.cond:
             attached = [{"role": a.role, "worker_id": a.worker_id, "pid": a.pid,
                          "version": a.version, "kv_lease": a.conn_id == self.kv_holder,

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 
 from belayer_core.errors import BelayerError, ConfigError, WorkerLost
 
-from .launcher import has_package, is_cpu, venv_dir, venv_python
+from .launcher import has_package, inherited_expandable, is_cpu, venv_dir, venv_python
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,14 @@ class SGLangBackend:
         if wanted and not present:
             raise ConfigError("sglang_shadow_memory_saver: torch_memory_saver is not installed in SGLang's "
                               f"environment ({venv_dir(self.venv)} or $BELAYER_SGLANG_PYTHONPATH)")
+        if present and (var := inherited_expandable(os.environ)):
+            # The saver releases only what cudaMalloc gave; expandable segments bypass it.
+            if wanted:
+                raise ConfigError(f"sglang_shadow_memory_saver: {var}={os.environ[var]} turns torch's expandable "
+                                  "segments on, whose memory the saver cannot release: unset it, or turn the "
+                                  "saver off")
+            log.info("shadow memory saver off: %s turns expandable segments on (the shadow keeps its KV)", var)
+            return False
         return present
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,6 +53,10 @@ class SGLangServerConfig(BaseModel):
         "expandable_segments:True; ~130 MiB less per server on an H200, same greedy ids). None: on for a "
         "one-GPU server where memory_saver is off (torch_memory_saver sees only cudaMalloc, which expandable "
         "segments bypass); a PYTORCH_CUDA_ALLOC_CONF in the environment wins"))
+    cublas_workspace_mib: int | None = Field(default=None, ge=0, multiple_of=4, description=(
+        "GPU only: torch's cuBLAS workspace per handle and stream (CUBLAS_WORKSPACE_CONFIG). None: 8 MiB on "
+        "a one-GPU server (~156 MiB less per server on an H200 than torch's 32, same greedy ids and batch "
+        "decode time); 0: torch's default; a CUBLAS_WORKSPACE_CONFIG in the environment wins"))
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -82,6 +87,8 @@ def server_argv(cfg: SGLangServerConfig) -> list[str]:
     if cfg.expandable_segments and (cpu or cfg.memory_saver):
         raise ConfigError("expandable_segments needs a CUDA device and no memory_saver (the saver releases only "
                           f"what cudaMalloc gave); device {cfg.device}, memory_saver {cfg.memory_saver}")
+    if cfg.cublas_workspace_mib and cpu:
+        raise ConfigError(f"cublas_workspace_mib={cfg.cublas_workspace_mib} needs a CUDA device; device is cpu")
     argv = [str(venv_python(cfg.venv)), "-m", "sglang.launch_server",
             "--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port),
             "--max-total-tokens", str(cfg.max_total_tokens),
@@ -117,6 +124,31 @@ def expandable_segments(cfg: SGLangServerConfig) -> bool:
     if cfg.expandable_segments is None:  # a server over several GPUs: not measured, left as SGLang has it
         return not is_cpu(cfg.device) and not cfg.memory_saver and tp_size(cfg.extra_args) == 1
     return cfg.expandable_segments
+
+
+DEFAULT_CUBLAS_WORKSPACE_MIB = 8
+
+
+def cublas_workspace_mib(cfg: SGLangServerConfig) -> int:
+    """The server's cuBLAS workspace in MiB (0: torch's own default). Measured on an H200
+    (``benchmarks/sglang_server_memory.py``): 8 instead of torch's 32 MiB takes 156 MiB
+    off a server (torch keeps a workspace per cuBLAS handle and stream; which ones make up
+    the 156 was not traced), with the same greedy ids and batch decode time."""
+    if cfg.cublas_workspace_mib is None:  # several GPUs: not measured, left as torch has it
+        return 0 if is_cpu(cfg.device) or tp_size(cfg.extra_args) != 1 else DEFAULT_CUBLAS_WORKSPACE_MIB
+    return cfg.cublas_workspace_mib
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads both (the second is newer)
+
+
+def inherited_expandable(env: Mapping[str, str]) -> str | None:
+    """The variable of ``env`` that turns torch's expandable segments on (None: none does)."""
+    for var in ALLOC_CONF_VARS:
+        options = [o.replace(" ", "").lower() for o in env.get(var, "").split(",")]
+        if "expandable_segments:true" in options:
+            return var
+    return None
 
 
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
@@ -162,10 +194,16 @@ def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> d
         if cfg.cuda_stack_bytes:
             env["BELAYER_CUDA_STACK_BYTES"] = str(cfg.cuda_stack_bytes)
             paths.insert(0, str(GPU_HOOKS_DIR))
+        if cfg.memory_saver and (var := inherited_expandable(env)):
+            raise ConfigError(f"memory_saver releases only what cudaMalloc gave, and {var}={env[var]} turns "
+                              "torch's expandable segments on: unset it for SGLang's servers, or turn the "
+                              "memory saver off")
         if cfg.memory_saver and cfg.memory_saver_graphs:  # without it the `cuda_graph` tag releases nothing
             env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
         if expandable_segments(cfg):
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if mib := cublas_workspace_mib(cfg):  # torch reads ":KiB:count" pairs
+            env.setdefault("CUBLAS_WORKSPACE_CONFIG", f":4096:{mib // 4}")
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     return env

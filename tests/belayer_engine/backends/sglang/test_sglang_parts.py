@@ -228,6 +228,49 @@ def test_expandable_segments_on_gpu_servers_without_the_saver(tmp_path):
             server_argv(bad)
 
 
+def test_small_cublas_workspace_on_one_gpu_servers(tmp_path):
+    """An 8 MiB cuBLAS workspace reaches a one-GPU server (torch reads ":KiB:count"); 0
+    leaves torch's default, the user's CUBLAS_WORKSPACE_CONFIG wins, several GPUs keep
+    torch's, and sizes torch cannot express or a CPU server are errors."""
+    venv = _fake_venv(tmp_path)
+    gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=venv)
+    key = "CUBLAS_WORKSPACE_CONFIG"
+    assert server_env(gpu, base={})[key] == ":4096:2"
+    assert server_env(gpu.model_copy(update={"memory_saver": True}), base={})[key] == ":4096:2"
+    assert server_env(gpu.model_copy(update={"cublas_workspace_mib": 16}), base={})[key] == ":4096:4"
+    assert key not in server_env(gpu.model_copy(update={"cublas_workspace_mib": 0}), base={})
+    assert server_env(gpu, base={key: ":16:8"})[key] == ":16:8"
+    assert key not in server_env(gpu.model_copy(update={"extra_args": ["--tp", "2"]}), base={})
+    cpu = SGLangServerConfig(model_path="m", port=9, device="cpu", venv=venv)
+    assert key not in server_env(cpu, base={})
+    with pytest.raises(ConfigError, match="cublas_workspace_mib=8 needs a CUDA device"):
+        server_argv(cpu.model_copy(update={"cublas_workspace_mib": 8}))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        SGLangServerConfig(model_path="m", port=9, cublas_workspace_mib=6)
+
+
+def test_memory_saver_never_runs_with_inherited_expandable_segments(tmp_path, monkeypatch):
+    """A trainer's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would leave a saver
+    shadow releasing nothing: where the saver is automatic the shadow keeps its KV instead,
+    where it was asked for (or a server is started with it) the clash is an error."""
+    from belayer_engine.backends.sglang.backend import SGLangBackend
+
+    monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
+    saver = _fake_venv(tmp_path, "torch_memory_saver")
+    for var, value in (("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True"),
+                       ("PYTORCH_ALLOC_CONF", "expandable_segments:true")):
+        monkeypatch.setenv(var, value)
+        assert not SGLangBackend("m", venv=saver, device="cuda:0").shadow_memory_saver
+        with pytest.raises(ConfigError, match=f"{var}=.*expandable"):
+            SGLangBackend("m", venv=saver, device="cuda:0", shadow_memory_saver=True)
+        on_gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=saver, memory_saver=True)
+        with pytest.raises(ConfigError, match=f"memory_saver releases only what cudaMalloc gave, and {var}="):
+            server_env(on_gpu, base={var: value})
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert SGLangBackend("m", venv=saver, device="cuda:0").shadow_memory_saver
+
+
 def test_cuda_stack_hook_wraps_the_real_sglang_scheduler():
     """The hook, in SGLang's own interpreter, wraps the Scheduler class SGLang imports and
     the scheduler's torch.cuda.set_device (the CUDA calls themselves need a GPU:
