@@ -7,6 +7,8 @@ a missing venv fails these tests, never skips them (the README's test command in
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import threading
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from belayer_core import procfs
 from belayer_engine.backends.sglang.launcher import DEFAULT_VENV, SETUP_HINT
 
 
@@ -23,6 +26,38 @@ def sglang_venv() -> str:
     if (Path(venv) / "bin" / "python").is_file():
         return venv
     pytest.fail(f"SGLang is not installed at {venv}: {SETUP_HINT}")
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's CPU controller (this project's hosts)
+CPU_PERIOD_US = 100_000
+
+
+def _cap_cpu(pgid: int, share: float) -> bool:
+    """Put every process of group ``pgid`` in a CPU cgroup capped at ``share`` of one core
+    (its children inherit it); False where no such cgroup can be made (no cgroup v1 CPU
+    controller, not root): the pacing alone then."""
+    group = CPU_CGROUP / f"belayer-test-hold-{os.getpid()}-{pgid}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(CPU_PERIOD_US * share))))
+        for proc in procfs.processes():
+            if proc.pgrp == pgid:
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    (group / "cgroup.procs").write_text(str(proc.pid))
+    except OSError:
+        return False
+    atexit.register(_remove_cgroup, group)
+    return True
+
+
+def _remove_cgroup(group: Path) -> None:
+    """At exit: the held servers were killed by then; anything left goes back to the root."""
+    with contextlib.suppress(OSError):
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (CPU_CGROUP / "cgroup.procs").write_text(pid)
+        group.rmdir()
 
 
 class HoldServer:
@@ -42,6 +77,9 @@ class HoldServer:
         self.held = threading.Event()
         self.since, self.at_hold = time.monotonic(), None  # what the failure texts report
         os.killpg(self._pgid, signal.SIGSTOP)
+        # The slices above stretch when this process is descheduled (a loaded machine let a
+        # server finish 200 ids before its readers saw 8): the kernel caps the group too.
+        self.capped = _cap_cpu(self._pgid, self.RUN_S / (self.RUN_S + self.PAUSE_S))
         threading.Thread(target=self._pace, name="pace-sglang", daemon=True).start()
 
     def _pace(self) -> None:
@@ -63,7 +101,8 @@ class HoldServer:
             self._seen[stream] = tokens
             if len(self._seen) == self._streams and not self.held.is_set():
                 os.killpg(self._pgid, signal.SIGSTOP)  # a SIGKILL or a cold restart ends it
-                self.at_hold = {"tokens": dict(self._seen), "after_s": round(time.monotonic() - self.since, 3)}
+                self.at_hold = {"tokens": dict(self._seen), "after_s": round(time.monotonic() - self.since, 3),
+                                "cpu_capped": self.capped}
                 self.held.set()
 
     def wait(self, what: str, timeout: float = 600.0) -> None:
