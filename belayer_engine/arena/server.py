@@ -37,6 +37,7 @@ from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
 from belayer_engine.arena.config import FLAGS, ArenaConfig, add_flags
 from belayer_engine.arena.cuda_limits import set_thread_stack
+from belayer_engine.arena.device_check import check_device
 from belayer_engine.arena.payload import read_update
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights, load_safetensors_dir, torch_dtype
@@ -100,9 +101,7 @@ class ArenaServer:
         if self.device.type == "cuda":  # the loaded HF tensors' blocks go back to the device
             torch.cuda.empty_cache()
         self.cuda_stack = set_thread_stack(self.device, cfg.cuda_stack_bytes)  # (before, after) bytes; None on CPU
-        # CUDA loads kernels lazily: the device check's first run loads its own (20-40 ms on an
-        # H200), which would otherwise land on the first handover's critical path.
-        ok, detail = self.check_device()
+        ok, detail = check_device(self.device, self.handles)  # loads its kernels before any handover
         if not ok:
             raise ArenaLost(f"arena on {self.device}: the device check failed at start: {detail}")
         self.version, self.slot = 0, 0
@@ -122,23 +121,8 @@ class ArenaServer:
                 "version": self.version, "slot": self.slot, "cuda_stack": self.cuda_stack,
                 "weight_cache": self.export.describe() if self.export else None}
 
-    def check_device(self) -> tuple[bool, str]:
-        """(ok, detail): a kernel runs and its result comes back (GPU), or every shared-memory
-        region still exists (CPU)."""
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                probe = torch.ones(1, device=self.device)
-                device_ok = float((probe + 1).item()) == 2.0
-                free, total = torch.cuda.mem_get_info(self.device)
-                return device_ok, f"free {free >> 20} MiB of {total >> 20} MiB"
-            gone = [h["path"] for h in self.handles.values() if not Path(h["path"]).is_file()]
-            return not gone, f"missing {gone}" if gone else "ok"
-        except Exception as exc:  # a failing device answers unhealthy, never crashes us
-            return False, f"{type(exc).__name__}: {exc}"
-
     def health(self) -> dict:
-        device_ok, detail = self.check_device()
+        device_ok, detail = check_device(self.device, self.handles)
         with self.cond:
             attached = [{"role": a.role, "worker_id": a.worker_id, "pid": a.pid,
                          "version": a.version, "kv_lease": a.conn_id == self.kv_holder,
