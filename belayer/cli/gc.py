@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "the shared layers of forks that no container uses any more, the processes of "
                                    "dumps whose checkpointer died (runc, CRIU, action scripts), and the copies of "
                                    "checkpoints that containerd unpacked for restores whose process is gone "
-                                   "(containerd never removes them).")
+                                   "(containerd never removes them), and the tasks (with their shims) and "
+                                   "containers containerd still holds of sandbox containers Docker has "
+                                   "forgotten (looked up with ctr).")
     p.add_argument("--all", action="store_true", help="remove every Belayer container, owned or not "
                                                       "(arena files of running arenas are always kept)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from belayer_engine.supervisor import run_dir as engine_run_dirs
     from belayer_env.ops.gc import (
         GcReport,
+        containerd_leftovers,
         dump_helpers,
         end_dump_helpers,
         list_managed,
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     targets = [c for c in managed if args.all or c.orphaned]
     report = GcReport() if args.dry_run else remove_all(client, targets)
     removed, failed = report.removed, report.failed
+    ctrd = containerd_leftovers(client, dry_run=args.dry_run)  # after Docker's removals, which can leave them
     shared_layers = sweep_shared_layers(client, dry_run=args.dry_run)  # after the containers that used them
     copies = [str(p) for p in ctrd_copies.sweep(dry_run=args.dry_run)]  # containerd's, of dead restores
     if args.json:
@@ -92,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
             "engine_run_dirs": run_dirs,
             "shared_layers": shared_layers,
             "containerd_checkpoint_copies": copies,
+            "containerd_leftovers": [{"id": lo.id, "task": lo.task, "pid": lo.pid, "removed": lo.id in ctrd.removed,
+                                      "failed": ctrd.failed.get(lo.id)} for lo in ctrd.found],
+            "containerd_unavailable": ctrd.unavailable,
             "dry_run": args.dry_run,
         }, indent=2))
     else:
@@ -111,10 +118,17 @@ def run(args: argparse.Namespace) -> int:
         for path in copies:
             print(f"{'would remove' if args.dry_run else 'removed':>12}  {path}  (containerd's copy of a "
                   "checkpoint; its restore's process is gone)")
+        for lo in ctrd.found:
+            verb = "would remove" if args.dry_run else ("FAILED" if lo.id in ctrd.failed else "removed")
+            task = f"task {lo.task}" + (f", pid {lo.pid}" if lo.pid else "") if lo.task else "no task"
+            why = f": {ctrd.failed[lo.id]}" if lo.id in ctrd.failed else ""
+            print(f"{verb:>12}  containerd container {lo.id[:12]}  ({task}; Docker does not know it){why}")
+        if ctrd.unavailable:
+            print(f"{'cannot look':>12}  at containerd's leftovers: {ctrd.unavailable}")
         for c in targets:
             verb = "would remove" if args.dry_run else ("FAILED" if c.id in failed else "removed")
             why = f": {failed[c.id]}" if c.id in failed else ""
             print(f"{verb:>12}  {c.name}  ({c.status}, owner {c.owner}){why}")
         done = f"{len(targets)} to remove" if args.dry_run else f"{len(removed)} removed"
         print(f"{len(managed)} belayer containers, {done}" + (f", {len(failed)} could not be removed" if failed else ""))
-    return 1 if failed else 0
+    return 1 if failed or ctrd.failed else 0

@@ -1,5 +1,6 @@
-"""Find and remove sandbox containers whose owning process is gone, and end the helper
-processes of dumps whose checkpointer is gone (``dump_helpers``).
+"""Find and remove sandbox containers whose owning process is gone, end the helper
+processes of dumps whose checkpointer is gone (``dump_helpers``), and remove what containerd
+still holds of sandbox containers Docker has forgotten (``containerd_leftovers``).
 
 A container can be wedged: left paused (its freezer cgroup FROZEN) by a capture whose
 process died, sometimes with a ``runc init`` stuck so that Docker's own calls on it hang.
@@ -18,7 +19,7 @@ import docker.errors
 import requests
 
 from belayer_env.criu import helpers
-from belayer_env.sandbox import freezer
+from belayer_env.sandbox import ctrd_leftovers, freezer
 from belayer_env.sandbox.config import MANAGED_LABEL
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.ownership import OWNER_HOST, OWNER_PID, SANDBOX_NAME, owner_alive
@@ -88,6 +89,14 @@ def remove_all(client: docker.DockerClient, containers: list[ManagedContainer]) 
 def reap(client: docker.DockerClient, containers: list[ManagedContainer]) -> list[str]:
     """Force-remove ``containers``; return the ids removed (``remove_all`` also says why not)."""
     return remove_all(client, containers).removed
+
+
+def containerd_leftovers(client: docker.DockerClient, *, dry_run: bool = False) -> ctrd_leftovers.Sweep:
+    """What containerd still holds of sandbox containers Docker has forgotten (a task, often
+    still running, its shim, the container: ``sandbox/ctrd_leftovers.py``), removed (``dry_run``:
+    listed). ``Sweep.unavailable`` says why containerd could not be looked at (no ``ctr``, a
+    remote Docker)."""
+    return ctrd_leftovers.sweep(client, dry_run=dry_run)
 
 
 def dump_helpers() -> list[helpers.Helper]:

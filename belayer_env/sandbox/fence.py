@@ -27,7 +27,7 @@ import requests
 
 from belayer_core.errors import SandboxLost
 from belayer_env.background import ThreadSet
-from belayer_env.sandbox import freezer
+from belayer_env.sandbox import ctrd_leftovers, freezer
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.ownership import SANDBOX_NAME
 
@@ -280,13 +280,17 @@ def thaw(client: docker.DockerClient, container_id: str, *, paused: bool) -> Non
 
 
 def remove(client: docker.DockerClient, container_id: str) -> None:
-    """Force-remove (kill first) a container; one already gone or being removed is fine."""
+    """Force-remove (kill first) a container; one already gone or being removed is fine.
+    What containerd still holds of it once Docker has forgotten it (a task Docker took for
+    exited, with its shim: ``ctrd_leftovers``) is removed too."""
     with contextlib.suppress(docker.errors.NotFound):
         try:
             client.api.remove_container(container_id, force=True, v=True)
         except docker.errors.APIError as e:
             if "removal of container" not in str(e) and "already in progress" not in str(e):
                 raise
+            return  # another removal runs: whoever runs it checks containerd
+    ctrd_leftovers.after_removal(client, container_id)
 
 
 def remove_quietly(client: docker.DockerClient, container_id: str) -> None:
