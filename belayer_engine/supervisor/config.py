@@ -17,8 +17,8 @@ class SupervisorConfig(BaseModel):
     sglang_venv: str | None = Field(default=None, description="SGLang venv (sglang backend); None = $BELAYER_SGLANG_VENV or /opt/belayer/sglang-venv")
     sglang_shadow_memory_saver: bool | None = Field(
         default=None, description="sglang backend: shadows release their KV cache until promoted "
-                                  "(GPU, torch_memory_saver); None = where available and torch's expandable "
-                                  "segments are not turned on in the environment")
+                                  "(GPU, torch_memory_saver); None = where available, for a KV pool over 768 MiB, "
+                                  "and torch's expandable segments not turned on in the environment")
     sglang_shadow_release_graphs: bool | None = Field(
         default=None, description="sglang backend, with the memory saver: shadows release their decode CUDA "
                                   "graphs too (~0.1 GB less while idle for a 4B model; promotion resumes them)")

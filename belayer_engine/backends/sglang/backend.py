@@ -9,8 +9,8 @@ the arena registered the server (flushed, version set; every weight update re-sy
 What a shadow does before it waits: a warm-up (two short greedy requests: every kernel of
 a prefill and a decode is loaded and compiled, so the first request after promotion pays
 none of it), then, on a GPU with ``torch_memory_saver`` in SGLang's environment, it
-releases its KV cache (``shadow_memory_saver``: None = where available, True = required,
-False = off). Its CUDA graphs stay resident (decode, and prefill up to 128 tokens: a
+releases its KV cache (``shadow_memory_saver``: None = where available and the KV pool is
+over ``RESIDENT_KV_MIB``, True = required, False = off). Its CUDA graphs stay resident (decode, and prefill up to 128 tokens: a
 re-prefill of a short request takes the graph path) unless ``shadow_release_graphs``;
 promotion then only resumes the KV cache, while the arena is asked whether the shadow is
 still registered. Without the saver the shadow keeps its KV resident too, and torch's
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from belayer_core.errors import BelayerError, ConfigError, WorkerLost
 
-from .launcher import has_package, inherited_expandable, is_cpu, venv_dir, venv_python
+from .launcher import has_package, inherited_expandable, is_cpu, kv_pool_mib, venv_dir, venv_python
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ WARMUP_PROMPT_LENS = (16, 256)  # token ids of two warm-up prompts (prefill kern
 # 1,504 MiB with 256, 1,444 with 128, 1,422 with 64, 1,288 without; a 96-id prefill 16-33 ms
 # with graphs of >= 128 tokens, 46-67 ms with fewer or none (benchmarks/results/sglang_server_memory_h200_expandable.json).
 SHADOW_PREFILL_GRAPH_TOKENS = 128
+# A shadow keeps a KV pool up to this size resident where the saver could release it: promotion
+# then resumes nothing (H200, 4B, 4,096 tokens = 576 MiB: handover p50 40 ms at 1,288 MiB, vs
+# 66-96 ms resuming it); the rest of a shadow is ~712 MiB, so it stays under 1.5 GB.
+RESIDENT_KV_MIB = 768
 # Per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB). 256 saves ~200 MiB per
 # server on an H200 (measured: 1,868 -> 1,670 MiB, same greedy ids); see gpu_hooks/README.md.
 DEFAULT_CUDA_STACK_BYTES = 256
@@ -91,6 +95,11 @@ class SGLangBackend:
                                   "segments on, whose memory the saver cannot release: unset it, or turn the "
                                   "saver off")
             log.info("shadow memory saver off: %s turns expandable segments on (the shadow keeps its KV)", var)
+            return False
+        kv_mib = kv_pool_mib(self.model, self.extra_args)
+        if present and wanted is None and kv_mib is not None and kv_mib <= RESIDENT_KV_MIB:
+            log.info("shadow keeps its %.0f MiB KV pool resident (<= %d MiB): promotion resumes nothing", kv_mib,
+                     RESIDENT_KV_MIB)
             return False
         return present
 

@@ -154,14 +154,38 @@ def inherited_expandable(env: Mapping[str, str]) -> str | None:
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
 
 
+def flag_value(extra_args: list[str], names: tuple[str, ...]) -> str | None:
+    """The value ``extra_args`` give the SGLang flag spelled ``names`` (the last one wins, as
+    in SGLang's argparse); None when none does."""
+    found = None
+    for i, arg in enumerate(extra_args):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            found = value if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
+    return found
+
+
 def tp_size(extra_args: list[str]) -> int:
     """The tensor-parallel size SGLang flags in ``extra_args`` ask for (1 when none do)."""
-    for i, arg in enumerate(extra_args):
-        name, _, value = arg.partition("=")
-        if name in TP_FLAGS:
-            value = value or (extra_args[i + 1] if i + 1 < len(extra_args) else "")
-            return int(value) if value.isdigit() else 1
-    return 1
+    value = flag_value(extra_args, TP_FLAGS) or ""
+    return int(value) if value.isdigit() else 1
+
+
+def kv_pool_mib(model_path: str, extra_args: list[str]) -> float | None:
+    """MiB of the KV pool a server of ``model_path`` allocates: ``max_total_tokens`` (the
+    launcher's, or ``--max-total-tokens`` in ``extra_args``) x layers x 2 x KV heads x head
+    dim x the checkpoint dtype's bytes; None when config.json does not say."""
+    tokens = flag_value(extra_args, ("--max-total-tokens",))
+    tokens = int(tokens) if tokens and tokens.isdigit() else SGLangServerConfig.model_fields["max_total_tokens"].default
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        layers = config["num_hidden_layers"]
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    width = 4 if checkpoint_dtype(model_path) == "float32" else 2
+    return tokens * layers * 2 * heads * head_dim * width / 2**20
 
 
 def checkpoint_dtype(model_path: str) -> str | None:

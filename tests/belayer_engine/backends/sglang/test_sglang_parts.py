@@ -249,6 +249,31 @@ def test_small_cublas_workspace_on_one_gpu_servers(tmp_path):
         SGLangServerConfig(model_path="m", port=9, cublas_workspace_mib=6)
 
 
+def test_a_small_kv_pool_stays_resident_in_the_shadow(tmp_path, monkeypatch):
+    """Where the saver could release a shadow's KV, a pool of at most RESIDENT_KV_MIB stays
+    resident instead (promotion then resumes nothing): the 4B shape at the engine's 4,096
+    tokens is 576 MiB; at 65,536 tokens (9 GiB) the saver releases it; asked for, it runs."""
+    import json
+
+    from belayer_engine.backends.sglang.backend import RESIDENT_KV_MIB, SGLangBackend
+    from belayer_engine.backends.sglang.launcher import kv_pool_mib
+
+    monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
+    saver = _fake_venv(tmp_path, "torch_memory_saver")
+    model = tmp_path / "qwen3-4b-shape"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_size": 2560, "torch_dtype": "bfloat16"}))
+    assert kv_pool_mib(str(model), []) == 576 <= RESIDENT_KV_MIB
+    assert kv_pool_mib(str(model), ["--max-total-tokens", "8192", "--max-total-tokens=65536"]) == 9216
+    assert kv_pool_mib(str(tmp_path / "nowhere"), []) is None
+    assert not SGLangBackend(str(model), venv=saver, device="cuda:0").shadow_memory_saver
+    assert SGLangBackend(str(model), ["--max-total-tokens", "65536"], venv=saver, device="cuda:0").shadow_memory_saver
+    assert SGLangBackend(str(model), venv=saver, device="cuda:0", shadow_memory_saver=True).shadow_memory_saver
+    assert SGLangBackend("m", venv=saver, device="cuda:0").shadow_memory_saver  # pool unknown: released
+
+
 def test_memory_saver_never_runs_with_inherited_expandable_segments(tmp_path, monkeypatch):
     """A trainer's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would leave a saver
     shadow releasing nothing: where the saver is automatic the shadow keeps its KV instead,
