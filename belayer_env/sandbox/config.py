@@ -29,6 +29,11 @@ from pydantic import (
 from belayer_core.errors import ConfigError
 
 DEFAULT_IMAGE = os.environ.get("BELAYER_BASE_IMAGE", "belayer-base:latest")
+# PID 1 of every sandbox: a bash loop that reaps orphans (commands started in the background
+# are reparented to it) and exits on SIGTERM. Small, so CRIU dumps it in milliseconds.
+INIT_COMMAND = ["/bin/bash", "-c", "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"]
+OUTPUT_DIR = "/run/belayer"  # sandbox-private tmpfs: CRIU dumps and restores it with the container
+OUTPUT_TMPFS = {OUTPUT_DIR: "size=64m,mode=0700"}
 MANAGED_LABEL = "belayer.managed"
 
 DOCKER_DEFAULT_CAPABILITIES = (

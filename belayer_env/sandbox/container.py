@@ -24,7 +24,7 @@ import docker
 from belayer_core.errors import ConfigError, InvalidAction, SandboxLost, UsageError
 from belayer_core.procfs import read_stat
 from belayer_env.host import loopback
-from belayer_env.sandbox import limits
+from belayer_env.sandbox import ctrd_leftovers, limits
 from belayer_env.sandbox.command import (
     CHUNK_BYTES,
     EXEC_WRAPPER,
@@ -33,18 +33,13 @@ from belayer_env.sandbox.command import (
     WRAPPER_PIDS,
     StreamReader,
 )
-from belayer_env.sandbox.config import SandboxConfig
+from belayer_env.sandbox.config import INIT_COMMAND, OUTPUT_TMPFS, SandboxConfig
 from belayer_env.sandbox.disk import limit_layer
 from belayer_env.sandbox.docker_api import connect, translate_errors
 from belayer_env.sandbox.output import OutputCollector
 from belayer_env.sandbox.ownership import owner_labels
 
-# PID 1 of every sandbox: a bash loop that reaps orphans (commands started in the background
-# are reparented to it) and exits on SIGTERM. Small, so CRIU dumps it in milliseconds.
-INIT_COMMAND = ["/bin/bash", "-c", "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"]
 KILL_GRACE_S = 2  # SIGTERM, then SIGKILL this much later, for a timed-out command
-OUTPUT_DIR = "/run/belayer"  # sandbox-private tmpfs: CRIU dumps and restores it with the container
-OUTPUT_TMPFS = {OUTPUT_DIR: "size=64m,mode=0700"}
 
 TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight
 TRANSPORT_GRACE_S = 15.0  # past timeout + grace with no end of stream: the transport is broken
@@ -349,6 +344,8 @@ class DockerSandbox:
             except docker.errors.APIError as e:
                 if "removal of container" not in str(e) and "already in progress" not in str(e):
                     raise
+                return  # another removal runs: whoever runs it checks containerd
+        ctrd_leftovers.after_removal(self.client, self.container_id)  # what Docker forgot of it, if anything
 
     def __enter__(self) -> DockerSandbox:
         return self

@@ -18,14 +18,14 @@ another). A leftover is a containerd container that
   NotFound): Docker registers a container before containerd ever sees it, so an id Docker
   does not know is one it is done with,
 - and is a Belayer sandbox: its OCI spec runs the sandbox's own init
-  (``container.INIT_COMMAND``) with the sandbox's private tmpfs at ``container.OUTPUT_DIR``.
+  (``config.INIT_COMMAND``) with the sandbox's private tmpfs at ``config.OUTPUT_DIR``.
   A container of anyone else is never touched.
 
 ``remove`` thaws its cgroup, kills and deletes the task (``ctr tasks delete --force``: kill,
 wait for the exit, delete), deletes the container and Docker's bundle directory of it
 (``<exec-root>/containerd/<id>``: its stdio FIFOs). ``belayer gc`` sweeps them all;
 ``after_removal`` checks one container Belayer has just removed through Docker
-(``fence.remove``: a restore's failure, a fence) in two ``stat`` calls and removes what
+(``fence.remove``: a restore's failure, a fence; ``DockerSandbox.close``) in two ``stat`` calls and removes what
 containerd still holds of it, so no removal of a sandbox leaves a shim behind.
 """
 
@@ -48,7 +48,7 @@ import requests
 
 from belayer_core.procfs import processes, read_stat
 from belayer_env.sandbox import freezer
-from belayer_env.sandbox.container import INIT_COMMAND, OUTPUT_DIR
+from belayer_env.sandbox.config import INIT_COMMAND, OUTPUT_DIR
 
 CTR = os.environ.get("BELAYER_CTR", "ctr")
 CTR_TIMEOUT_S = 30.0

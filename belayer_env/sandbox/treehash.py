@@ -13,7 +13,7 @@ import json
 import shlex
 
 from belayer_core.errors import SandboxLost
-from belayer_env.sandbox.container import OUTPUT_DIR
+from belayer_env.sandbox.config import OUTPUT_DIR
 from belayer_env.sandbox.protocol import Sandbox
 
 DEFAULT_EXCLUDE = ("/proc", "/sys", "/dev", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf")

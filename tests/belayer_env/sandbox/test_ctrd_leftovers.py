@@ -209,6 +209,24 @@ def test_the_fence_of_a_restored_container_docker_lost_removes_it_from_container
         cleanup(docker_client, ctrd, [lost])  # make_sandbox fences the sandbox's name
 
 
+def test_closing_a_sandbox_docker_lost_leaves_nothing_in_containerd(docker_client, ctrd):
+    """An episode's end (``DockerSandbox.close``) on a sandbox Docker took for exited while its
+    task ran on: the close removes the task, its shim and the container from containerd too."""
+    sb = DockerSandbox(client=docker_client, name_prefix="belayer-ctrdtest")
+    lost = sb.container_id
+    try:
+        docker_loses(docker_client, ctrd, lost)
+        shim, init = shim_of(lost), ctrd_leftovers._tasks(ctrd)[lost][1]
+        assert init is not None
+        with watching([shim, init]) as fds:
+            sb.close()
+            assert exited(fds[init]) and exited(fds[shim])
+        assert lost not in tasks(ctrd) and lost not in containers(ctrd)
+        assert not os.path.exists(f"{ctrd.exec_root}/containerd/{lost}")
+    finally:
+        cleanup(docker_client, ctrd, [lost])
+
+
 def test_gc_says_it_cannot_look_without_ctr(docker_client, monkeypatch):
     monkeypatch.setattr(ctrd_leftovers, "CTR", f"no-such-ctr-{uuid.uuid4().hex[:8]}")
     result = containerd_leftovers(docker_client, dry_run=True)
