@@ -24,7 +24,7 @@ import docker
 from belayer_core.errors import ConfigError, InvalidAction, SandboxLost, UsageError
 from belayer_core.procfs import read_stat
 from belayer_env.host import loopback
-from belayer_env.sandbox import ctrd_leftovers, limits
+from belayer_env.sandbox import fence, limits
 from belayer_env.sandbox.command import (
     CHUNK_BYTES,
     EXEC_WRAPPER,
@@ -338,14 +338,7 @@ class DockerSandbox:
         self._remove_quietly()
 
     def _remove_quietly(self) -> None:
-        with contextlib.suppress(docker.errors.NotFound):
-            try:
-                self.client.api.remove_container(self.container_id, force=True, v=True)
-            except docker.errors.APIError as e:
-                if "removal of container" not in str(e) and "already in progress" not in str(e):
-                    raise
-                return  # another removal runs: whoever runs it checks containerd
-        ctrd_leftovers.after_removal(self.client, self.container_id)  # what Docker forgot of it, if anything
+        fence.remove(self.client, self.container_id)  # and what containerd kept of it, if anything
 
     def __enter__(self) -> DockerSandbox:
         return self

@@ -177,23 +177,32 @@ def kv_pool_mib(model_path: str, extra_args: list[str]) -> float | None:
     dim x the checkpoint dtype's bytes; None when config.json does not say."""
     tokens = flag_value(extra_args, ("--max-total-tokens",))
     tokens = int(tokens) if tokens and tokens.isdigit() else SGLangServerConfig.model_fields["max_total_tokens"].default
+    config = _hf_config(model_path)
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
         heads = config.get("num_key_value_heads") or config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         layers = config["num_hidden_layers"]
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError):
         return None
-    width = 4 if checkpoint_dtype(model_path) == "float32" else 2
+    width = 4 if _dtype(config) == "float32" else 2
     return tokens * layers * 2 * heads * head_dim * width / 2**20
 
 
 def checkpoint_dtype(model_path: str) -> str | None:
     """``torch_dtype`` (or ``dtype``) of an HF model dir's config.json; None when absent."""
+    return _dtype(_hf_config(model_path))
+
+
+def _hf_config(model_path: str) -> dict:
+    """An HF model dir's config.json ({} when absent or not a JSON object)."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _dtype(config: dict) -> str | None:
     dtype = config.get("torch_dtype") or config.get("dtype")
     return dtype if isinstance(dtype, str) else None
 
