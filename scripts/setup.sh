@@ -9,6 +9,8 @@
 #   BELAYER_SKIP_SGLANG=1  skip SGLang's venv (scripts/setup_sglang.sh; the SGLang tests then fail)
 #   BELAYER_CONNTRACK_BUCKETS  conntrack buckets to lower the host's table to (default 16384), or
 #                        `keep` (belayer_env/host/conntrack.py: what it costs and saves)
+#   BELAYER_NETNS_HASH   TCP/UDP table size for new network namespaces (default 1024), or `keep`
+#                        (belayer_env/host/netns_hash.py: what it costs and saves)
 set -euo pipefail
 
 PY=${BELAYER_PYTHON:-python3}
@@ -207,11 +209,12 @@ else
 fi
 
 # ---------------------------- build tools for the static helpers CRIU runs (scripts/native/)
-step "build tools (gcc, zlib: the static CRIU helpers below)"
-if command -v gcc >/dev/null && [ "$(gcc -print-file-name=libz.a)" != libz.a ] && [ -f /usr/include/zlib.h ]; then
-  info "gcc and zlib present"
+step "build tools (gcc, zlib, musl: the static CRIU helpers below)"
+if command -v gcc >/dev/null && [ "$(gcc -print-file-name=libz.a)" != libz.a ] && [ -f /usr/include/zlib.h ] \
+    && command -v musl-gcc >/dev/null; then
+  info "gcc, zlib and musl present"
 else
-  apt_install build-essential zlib1g-dev
+  apt_install build-essential zlib1g-dev musl-tools
 fi
 
 # ------------------------------------------- CRIU loopback hook (belayer_env/host/loopback.py)
@@ -226,6 +229,11 @@ info "$hook_out"
 step "conntrack table (CRIU walks all of it twice inside every checkpoint's freeze)"
 ct_out=$("$PY" "$ROOT/belayer_env/host/conntrack.py") || die "could not size the conntrack table"
 info "$ct_out"
+
+# ------------------ socket tables of new namespaces (belayer_env/host/netns_hash.py: frozen time)
+step "socket tables of new network namespaces (CRIU walks them inside every checkpoint's freeze)"
+ns_out=$("$PY" "$ROOT/belayer_env/host/netns_hash.py") || die "could not size the namespaces' socket tables"
+info "$ns_out"
 
 # ------------------------- CRIU's tmpfs tar (belayer_env/host/fast_tar.py: frozen time)
 step "CRIU's tmpfs tar (six tar + gzip runs inside every checkpoint's freeze and every restore, made in-process)"

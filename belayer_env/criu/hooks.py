@@ -7,15 +7,18 @@ CRIU action scripts mark the window: ``pre-dump`` right before CRIU freezes the 
 (the caller freezes it first: CRIU's own freeze sleeps 100 ms whenever the first read
 says FREEZING, which under load is nearly always), ``network-lock`` right after the tasks
 are seized, ``post-dump`` after every image is written and before they are resumed,
-``network-unlock`` just before CRIU lets them go. The script (one per dump, in the
-dump's 0700 work dir; ``sh``, handing ``pre-dump`` and ``post-dump`` to a bash one)
-writes the event name into one FIFO and, for ``pre-dump`` and ``post-dump``, waits for
-the answer on another; a relay thread here calls the hooks. Both FIFOs are opened
-read-write so no open ever blocks; an answer that never comes (the caller died: the script
-checks its pid *and* start time, never a bare pid; or it hangs past the dump timeout)
-fails the dump, and CRIU resumes the tasks. A caller that died after freezing the cgroup
-leaves a watcher that holds CRIU by a pidfd (``_WATCH``: no pid number that could be
-reused) and thaws the cgroup once CRIU has exited, or after the dump timeout at the latest.
+``network-unlock`` just before CRIU lets them go. At each, the static hook set-up lists
+in runc's CRIU config (``scripts/native/criu_loopback.c``; one exec, which the hook costs
+anyway) finds this dump's relay in its environment, or, where that build is missing, a
+script of the dump's own (``/bin/sh``, builtins only) does the same: write the event name
+into one FIFO and, for ``pre-dump`` and ``post-dump``, read the answer from another,
+opened so that the checkpointer is its only writer. A checkpointer that dies leaves that
+read at EOF, which fails the dump (CRIU resumes the tasks); one that hangs is bounded by
+the dump timeout (``runtime.dump`` kills runc, CRIU and the hook). The checkpointer is
+checked by pid *and* start time, never a bare pid. A caller that died after freezing the
+cgroup leaves a watcher that holds CRIU by a pidfd (``_WATCH``: no pid number that could
+be reused) and thaws the cgroup once CRIU has exited, or after the dump timeout at the
+latest.
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ from typing import Protocol
 from belayer_core.procfs import OwnerId
 
 STATS_FILE = "stats-dump"
-_ORPHANED = """alive() {{  # the checkpointer: pid {pid} *and* its start time (a pid alone may be reused)
+_ORPHANED = """alive() {{  # the checkpointer: pid {pid} *and* its start time (a pid alone may be reused), not a zombie
   local s
   read -r s 2>/dev/null </proc/{pid}/stat || return 1
   s=${{s##*) }}
   set -- $s
-  [ "${{20}}" = {start} ]
+  [ "$1" != Z ] && [ "$1" != X ] && [ "${{20}}" = {start} ]
+}}
+exiting() {{  # the answer FIFO's last writer closed: the checkpointer is exiting; wait until it is gone
+  local i=0
+  while alive && [ $i -lt {polls} ]; do sleep 0.01; i=$((i + 1)); done
 }}
 orphaned() {{  # the checkpointer died: thaw what it froze once CRIU (an ancestor) has exited
   alive && return 1
@@ -74,31 +81,23 @@ if os.fork() == 0:  # the script (and CRIU) go on; this waits for CRIU's exit, n
 os._exit(0)
 """
 _SCRIPT = """#!/bin/sh
-# CRIU runs this (through sh -c) at every stage. The two stages inside the freeze that need
-# no answer stay in dash (a bash start costs ~2 ms more, twice per freeze).
-{orphaned}case "$CRTOOLS_SCRIPT_ACTION" in
-pre-dump|post-dump) exec /bin/bash {waiter} ;;
-network-lock) exec 4<>{events}; echo frozen >&4 ;;
-network-unlock) exec 4<>{events}; echo resuming >&4; orphaned; exit 0 ;;
-esac
-"""
-_WAITER = """#!/bin/bash
-# the stages that wait for the checkpointer's answer (bash: read -t)
-{orphaned}answer() {{
-  # bash reads a FIFO byte by byte: a timeout that falls between two bytes of the answer
-  # (this script descheduled, under load) returns the part read so far, so parts add up
-  local reply="" part
-  for ((i = 0; i < {polls}; i++)); do
-    if read -r -t 0.05 part <&3; then [ "$reply$part" = ok ]; exit; fi
-    reply+=$part
-    orphaned && exit 1  # fail: CRIU resumes the tasks
-  done
-  exit 1
+# Belayer's CRIU action script for one dump, where set-up could not build the static hook
+# that relays (belayer_env/host/loopback.py). CRIU execs it at every stage; dash builtins
+# only on the way through the freeze.
+{orphaned}answer() {{  # tell the checkpointer, then wait for its answer: EOF once it is gone
+  # fd 3 reads the answer FIFO; the only writer left is the checkpointer (fd 5 was our own)
+  exec 5<>{answer} 3<{answer} 5>&- 4<>{events}
+  echo "$1" >&4
+  if read -r reply <&3; then [ "$reply" = ok ]; exit; fi
+  exiting
+  orphaned
+  exit 1  # fail: CRIU resumes the tasks
 }}
-exec 3<>{answer} 4<>{events}
 case "$CRTOOLS_SCRIPT_ACTION" in
-pre-dump) echo freeze >&4; answer ;;
-post-dump) echo dumped >&4; answer ;;
+pre-dump) answer freeze ;;
+network-lock) exec 4<>{events}; echo frozen >&4 ;;
+post-dump) answer dumped ;;
+network-unlock) exec 4<>{events}; echo resuming >&4; orphaned; exit 0 ;;
 esac
 """
 
@@ -131,32 +130,44 @@ class FreezeHooks(Protocol):
 
 
 class HookRelay:
-    """The action script + FIFOs + relay thread of one dump; ``times`` holds monotonic
+    """The FIFOs + relay thread of one dump, and what makes CRIU call into them: the static
+    hook set-up listed in runc's CRIU config, told by environment (``native``: ``env``), or
+    an action script of this dump's own (``config_lines``). ``times`` holds monotonic
     stamps of the events seen (``freeze``, ``frozen``, ``dumped``, ``answered``,
-    ``resuming``). ``orphan_thaw``: (freezer control file, thawed value) the script writes
-    once CRIU has exited when it finds the checkpointer dead (it froze the cgroup for CRIU:
-    nobody else would thaw it, and Docker does not know it is frozen)."""
+    ``resuming``). ``orphan_thaw``: (freezer control file, thawed value) written once CRIU
+    has exited when the checkpointer is found dead (it froze the cgroup for CRIU: nobody
+    else would thaw it, and Docker does not know it is frozen)."""
 
-    def __init__(self, work: Path, hooks: FreezeHooks, timeout_s: float, orphan_thaw: tuple[Path, str] | None = None):
+    def __init__(self, work: Path, hooks: FreezeHooks, timeout_s: float, orphan_thaw: tuple[Path, str] | None = None,
+                 *, native: bool = False):
         self.hooks = hooks
         self.error: BaseException | None = None
         self.times: dict[str, float] = {}
         events, answer = work / "criu-events", work / "criu-answer"
         os.mkfifo(events, 0o600)
         os.mkfifo(answer, 0o600)
-        self.script = work / "criu-hook.sh"
-        waiter = work / "criu-wait.sh"
         me = OwnerId.current()
-        orphaned = _ORPHANED.format(pid=me.pid, start=me.start_time, python=shlex.quote(sys.executable),
-                                    watch=shlex.quote(_WATCH), bound=f"{max(1.0, timeout_s):g}",
-                                    freezer=shlex.quote(str(orphan_thaw[0])) if orphan_thaw else "''",
-                                    thawed=shlex.quote(orphan_thaw[1]) if orphan_thaw else "''")
-        waiter.write_text(_WAITER.format(orphaned=orphaned, answer=shlex.quote(str(answer)),
-                                         events=shlex.quote(str(events)), polls=max(1, int(timeout_s / 0.05))))
-        self.script.write_text(_SCRIPT.format(orphaned=orphaned, waiter=shlex.quote(str(waiter)),
-                                              events=shlex.quote(str(events))))
-        for script in (waiter, self.script):
+        bound = f"{max(1.0, timeout_s):g}"
+        self.env: dict[str, str] = {}
+        """For runc's environment (CRIU and its action scripts inherit it)."""
+        self.config_lines: list[str] = []
+        """For this dump's CRIU config file."""
+        if native:
+            self.env = {"BELAYER_RELAY_EVENTS": str(events), "BELAYER_RELAY_ANSWER": str(answer),
+                        "BELAYER_RELAY_OWNER": f"{me.pid} {me.start_time}", "BELAYER_RELAY_PYTHON": sys.executable,
+                        "BELAYER_RELAY_WATCH": _WATCH, "BELAYER_RELAY_BOUND": bound}
+            if orphan_thaw:
+                self.env |= {"BELAYER_RELAY_THAW_FILE": str(orphan_thaw[0]), "BELAYER_RELAY_THAW_VALUE": orphan_thaw[1]}
+        else:
+            script = work / "criu-hook.sh"
+            orphaned = _ORPHANED.format(pid=me.pid, start=me.start_time, python=shlex.quote(sys.executable),
+                                        watch=shlex.quote(_WATCH), bound=bound, polls=int(float(bound) * 100),
+                                        freezer=shlex.quote(str(orphan_thaw[0])) if orphan_thaw else "''",
+                                        thawed=shlex.quote(orphan_thaw[1]) if orphan_thaw else "''")
+            script.write_text(_SCRIPT.format(orphaned=orphaned, answer=shlex.quote(str(answer)),
+                                             events=shlex.quote(str(events))))
             script.chmod(0o700)
+            self.config_lines = [f"action-script {script}"]
         self._events = os.open(events, os.O_RDWR)
         self._answer = os.open(answer, os.O_RDWR)
         self._thread = threading.Thread(target=self._relay, daemon=True, name="belayer-criu-hooks")

@@ -33,7 +33,7 @@ from belayer_core.errors import UsageError
 from belayer_core.procfs import session_members
 from belayer_env.criu import cgroup_yard, helpers
 from belayer_env.criu.hooks import CriuError, FreezeHooks, HookRelay
-from belayer_env.host import fast_tar
+from belayer_env.host import fast_tar, loopback
 from belayer_env.store.manifest import check_file, copy_hashed
 
 RUNC_ROOT = os.environ.get("BELAYER_RUNC_ROOT", "/run/docker/runtime-runc/moby")
@@ -59,6 +59,9 @@ CGROUP_YARD = _switch("BELAYER_CRIU_CGROUP_YARD")
 """Dumps walk the host's own cgroup mounts (``cgroup_yard``); ``0``: CRIU mounts its own."""
 FAST_TAR = _switch("BELAYER_CRIU_FAST_TAR")
 """Dumps find ``fast_tar``'s helper first in PATH when it is installed; ``0``: GNU tar."""
+NATIVE_RELAY = _switch("BELAYER_CRIU_NATIVE_RELAY")
+"""Dumps are relayed by the static hook set-up lists in runc's CRIU config where it can
+(``hooks.HookRelay``); ``0``: by a shell script of each dump's own (one more exec per stage)."""
 CRIU_NICE = int(os.environ.get("BELAYER_CRIU_NICE", "-10"))
 """Nice value of the autogroup (the session) of runc, CRIU and the helpers CRIU spawns (tar,
 ip, ...), and of the layer copy while frozen: on a busy host the frozen window is mostly
@@ -129,10 +132,11 @@ def dump(container_id: str, images: Path, work: Path, *, isolated: bool = True,
     lines += [CRIU_EXTRA_CONFIG] if CRIU_EXTRA_CONFIG else []
     if CGROUP_YARD and (yard := cgroup_yard.make(work)) is not None:
         lines.append(f"cgroup-yard {yard}")  # no cgroup mounts inside the freeze (cgroup_yard)
-    relay = (HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s, orphan_thaw)
-             if hooks else None)
+    relay = (HookRelay(work, hooks, DUMP_TIMEOUT_S if timeout_s is None else timeout_s, orphan_thaw,
+                       native=NATIVE_RELAY and loopback.relays()) if hooks else None)
     if relay is not None:
-        lines.append(f"action-script {relay.script}")
+        lines += relay.config_lines
+        env |= relay.env
     if lines:
         conf = work / "criu.conf"
         conf.write_text("\n".join(lines) + "\n")

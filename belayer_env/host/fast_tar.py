@@ -89,9 +89,10 @@ def real_tar() -> str:
     return os.path.realpath(found)
 
 
-def build(out: Path, tar: str | None = None, sources: tuple[Path, ...] = SOURCES) -> None:
-    """Compile the helper (static, zlib) into ``out``; it hands over to ``tar``."""
-    compile_static(out, sources, defines=[f'REAL_TAR="{tar or real_tar()}"'], libs=["z"])
+def build(out: Path, tar: str | None = None, sources: tuple[Path, ...] = SOURCES, libc: str = "auto") -> str:
+    """Compile the helper (static, zlib) into ``out``; it hands over to ``tar``. Returns the C
+    library used (``native.compile_static``)."""
+    return compile_static(out, sources, defines=[f'REAL_TAR="{tar or real_tar()}"'], libs=["z"], libc=libc)
 
 
 def archive(program: str, root: Path, args: tuple[str, ...] = CRIU_ARGS) -> bytes:
@@ -228,16 +229,20 @@ def install() -> str:
     fd, tmp = tempfile.mkstemp(dir=DIR, prefix=".tar.")
     os.close(fd)
     try:
-        build(Path(tmp), tar)
+        libc = build(Path(tmp), tar)
         os.chmod(tmp, 0o755)
         why = check(Path(tmp), tar)
+        if why and libc == "musl":  # the glibc build, as before musl
+            libc = build(Path(tmp), tar, libc="glibc")
+            os.chmod(tmp, 0o755)
+            why = check(Path(tmp), tar)
         if why:
             HELPER.unlink(missing_ok=True)
             return f"not installed ({why}): dumps run {tar}"
         os.replace(tmp, HELPER)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return f"{HELPER}: writes what {tar} writes, in-process (hands anything else to it)"
+    return f"{HELPER} ({libc}): writes what {tar} writes, in-process (hands anything else to it)"
 
 
 if __name__ == "__main__":  # `python3 belayer_env/host/fast_tar.py` (scripts/setup.sh)

@@ -63,8 +63,10 @@ ff02::2\tip6-allrouters
 """
 
 HOOK_SOURCE = "criu_loopback.c"
-HOOK_MARK = b"belayer-criu-loopback static 1"
-"""The static hook carries this string (``belayer_mark`` in its source)."""
+HOOK_MARK = b"belayer-criu-loopback static "
+"""The static hook carries this string and its version (``belayer_mark`` in its source)."""
+RELAY_MARK = HOOK_MARK + b"2"
+"""A build that also relays Belayer's dumps (``belayer_env/criu/hooks.py``)."""
 
 CONF_LINE = f"action-script {HOOK_PATH}"
 HOOK_PATH_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -79,6 +81,26 @@ def installed(conf: Path | None = None) -> bool:
                 and HOSTS_PATH.read_text() == HOSTS)
     except OSError:
         return False
+
+
+def relays(conf: Path | None = None) -> bool:
+    """True when the listed hook also relays Belayer's dumps (then a dump needs no action
+    script of its own: one exec per CRIU stage instead of two). Cached per file version."""
+    conf = conf or RUNC_CRIU_CONF
+    try:
+        key = tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in (os.stat(conf), os.stat(HOOK_PATH)))
+    except OSError:
+        return False
+    if _relays_cache.get(conf) is None or _relays_cache[conf][0] != key:
+        try:
+            ok = installed(conf) and RELAY_MARK in HOOK_PATH.read_bytes()
+        except OSError:
+            ok = False
+        _relays_cache[conf] = (key, ok)
+    return _relays_cache[conf][1]
+
+
+_relays_cache: dict[Path, tuple[tuple, bool]] = {}
 
 
 def hook_kind() -> str | None:
@@ -118,10 +140,16 @@ def _install_hook() -> str:
     tmp = HOOK_PATH.with_name(f".{HOOK_PATH.name}.{os.getpid()}")
     try:
         HOOK_PATH.parent.mkdir(parents=True, exist_ok=True)
-        compile_static(tmp, [NATIVE / HOOK_SOURCE])
-        check_hook(tmp)
+        libc = compile_static(tmp, [NATIVE / HOOK_SOURCE])
+        try:
+            check_hook(tmp)
+        except BuildError:
+            if libc == "glibc":
+                raise
+            libc = compile_static(tmp, [NATIVE / HOOK_SOURCE], libc="glibc")  # musl's build failed its check
+            check_hook(tmp)
         os.replace(tmp, HOOK_PATH)
-        return "static"
+        return f"static, {libc}"
     except (BuildError, OSError, subprocess.SubprocessError) as e:
         write_if_changed(HOOK_PATH, HOOK_SCRIPT, 0o755)
         return f"shell script: no static build ({str(e)[:200]})"

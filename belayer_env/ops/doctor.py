@@ -105,10 +105,15 @@ def check_loopback_hook() -> Check:
     from belayer_env.host import loopback
 
     ok = loopback.installed()
+    if ok and not loopback.relays():
+        return Check("criu loopback hook", False, f"{loopback.HOOK_PATH} ({loopback.hook_kind()}) listed in "
+                     f"{loopback.RUNC_CRIU_CONF}, but it does not relay dumps: each dump runs a shell script of "
+                     "its own too (a few ms more per freeze)", f"run `{SETUP}` (builds it; needs gcc)",
+                     required=False)
     return Check("criu loopback hook", ok,
-                 f"{loopback.HOOK_PATH} ({loopback.hook_kind()}) listed in {loopback.RUNC_CRIU_CONF}" if ok else
-                 "not installed: sandboxes keep Docker's network stack (~0.1 s more per start and restore)",
-                 f"run `{SETUP}`", required=False)
+                 f"{loopback.HOOK_PATH} ({loopback.hook_kind()}, relays dumps) listed in {loopback.RUNC_CRIU_CONF}"
+                 if ok else "not installed: sandboxes keep Docker's network stack (~0.1 s more per start and "
+                 "restore)", f"run `{SETUP}`", required=False)
 
 
 def check_kdat_cache(criu: str) -> Check:
@@ -220,6 +225,21 @@ def check_conntrack() -> Check:
                  required=False)
 
 
+def check_netns_hash() -> Check:
+    """CRIU walks a sandbox namespace's TCP and UDP tables inside every capture's freeze
+    (``belayer_env.host.netns_hash``): set-up gives new namespaces small ones of their own."""
+    from belayer_env.host import netns_hash
+
+    sizes = netns_hash.sizes()
+    if not sizes:
+        return Check("namespace socket tables", True, "this kernel has none of its own per namespace (Linux < 6.2)",
+                     "", required=False)
+    said = ", ".join(f"{p.upper()} {v or 'shared with the host'}" for p, v in sizes.items())
+    return Check("namespace socket tables", netns_hash.ok(sizes), f"new namespaces: {said}",
+                 f"run `{SETUP}` (sets {netns_hash.TARGET_ENTRIES}; {netns_hash.ENV}=keep leaves it); sandboxes "
+                 "created before keep the host's tables", required=False)
+
+
 def check_fast_tar() -> Check:
     """CRIU dumps each tmpfs of a sandbox with ``tar`` inside the freeze: set-up builds the
     in-process one (``belayer_env.host.fast_tar``), checked here against the host's tar."""
@@ -258,4 +278,4 @@ def check_engine() -> list[Check]:
 
 def run_checks() -> list[Check]:
     return [*check_docker(), *check_criu(), check_ctrd_copies(), *check_kernel(), check_disk_cap(), check_scratch(),
-            check_conntrack(), check_fast_tar(), *check_engine()]
+            check_conntrack(), check_netns_hash(), check_fast_tar(), *check_engine()]

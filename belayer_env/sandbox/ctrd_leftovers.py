@@ -48,7 +48,7 @@ import requests
 
 from belayer_core.procfs import processes, read_stat
 from belayer_env.sandbox import freezer
-from belayer_env.sandbox.config import INIT_COMMAND, OUTPUT_DIR
+from belayer_env.sandbox.config import INIT_COMMAND, LEGACY_INIT_COMMANDS, OUTPUT_DIR
 
 CTR = os.environ.get("BELAYER_CTR", "ctr")
 CTR_TIMEOUT_S = 30.0
@@ -187,7 +187,7 @@ def is_belayer_sandbox(info: dict[str, Any]) -> bool:
     if BUNDLE_LABEL not in (info.get("Labels") or {}):
         return False
     spec = info.get("Spec") or {}
-    if (spec.get("process") or {}).get("args") != INIT_COMMAND:
+    if (spec.get("process") or {}).get("args") not in (INIT_COMMAND, *LEGACY_INIT_COMMANDS):
         return False
     return any(m.get("destination") == OUTPUT_DIR and m.get("type") == "tmpfs" for m in spec.get("mounts") or ())
 

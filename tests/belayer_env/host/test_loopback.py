@@ -144,6 +144,7 @@ def test_the_installed_hook_is_the_static_one_and_does_its_job(tmp_path):
     if shutil.which("gcc") is None:
         pytest.skip("no gcc: set-up installs the shell script")
     assert loopback.hook_kind() == "static", "bash scripts/setup.sh builds the static hook where gcc is"
+    assert loopback.relays(), "the static hook relays Belayer's dumps too (one exec per CRIU stage)"
     loopback.check_hook(loopback.HOOK_PATH)  # nothing at another stage; lo up at setup-namespaces
     for action, pid in (("setup-namespaces", "12x"), ("setup-namespaces", str(2**22 + 1))):
         r = subprocess.run([str(loopback.HOOK_PATH)], env={"CRTOOLS_SCRIPT_ACTION": action, "CRTOOLS_INIT_PID": pid},

@@ -153,3 +153,24 @@ def test_background_server_without_redirect_keeps_serving(sandbox):
     for _ in range(3):  # each request makes the server write a log line
         assert sandbox.execute(fetch)["output"] == "200\n"
     assert "http.server" in sandbox.execute("ps -eo args")["output"]
+
+
+def test_the_init_is_one_process_that_reaps_orphans_and_stops_on_sigterm(docker_client):
+    """PID 1 is bash alone (CRIU dumps every process inside the freeze): no ``sleep`` child,
+    orphans of commands reaped, SIGTERM (``docker stop``) ends it with 0 at once."""
+    sb = DockerSandbox(client=docker_client)
+    try:
+        procs = sb.execute("ps -eo pid=,ppid=,stat=,comm= | awk '$4 != \"ps\" && $4 != \"awk\"'")["output"]
+        inits = [line.split() for line in procs.splitlines() if line.split()[1] == "0" and line.split()[0] == "1"]
+        assert inits and inits[0][3] == "bash", procs
+        assert not [line for line in procs.splitlines() if line.split()[1] == "1"], f"the init has children:\n{procs}"
+        sb.execute("for i in 1 2 3; do (sleep 0.05 &); done")  # three orphans, reparented to PID 1
+        wait_until(lambda: "sleep" not in sb.execute("ps -eo comm=")["output"], 30, "the orphans ended")
+        zombies = sb.execute("ps -eo stat= | grep -c '^Z' || true")["output"].strip()
+        assert zombies == "0", f"{zombies} unreaped orphans"
+        container = docker_client.containers.get(sb.container_id)
+        container.stop(timeout=30)
+        container.reload()
+        assert container.attrs["State"]["ExitCode"] == 0
+    finally:
+        sb.close()
