@@ -38,8 +38,10 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -192,7 +194,10 @@ def main() -> int:
         return 2
     client = connect()
     run_id = uuid.uuid4().hex[:8]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or None
     result = {"source": f"python3 benchmarks/freeze_cuts.py --runs {args.runs} --scenarios {args.scenarios}",
+              "commit": commit, "date": time.strftime("%Y-%m-%d"),
               "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "uptime_at_start": uptime()},
               "settings_found": found, "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="belayer-bench-") as tmp:
