@@ -32,12 +32,13 @@ DEFAULT_IMAGE = os.environ.get("BELAYER_BASE_IMAGE", "belayer-base:latest")
 OUTPUT_DIR = "/run/belayer"  # sandbox-private tmpfs: CRIU dumps and restores it with the container
 # PID 1 of every sandbox: bash, which reaps orphans (commands started in the background are
 # reparented to it) and exits on SIGTERM. One process: it blocks in a read of a FIFO of its
-# own that nobody writes (CRIU dumps each process inside the freeze, ~1.5-2 ms apiece here);
+# own that nobody writes (CRIU dumps each process inside the freeze, ~1.5-2 ms apiece here),
+# a byte at a time (a sandbox process that writes an endless line into it grows nothing);
 # where it cannot make that FIFO (a user that cannot write OUTPUT_DIR, no mkfifo) it loops
 # on a sleep child, as every sandbox did before.
 INIT_COMMAND = ["/bin/bash", "-c", f"trap 'exit 0' TERM; f={OUTPUT_DIR}/.init; "
                 "if mkfifo -m 600 $f 2>/dev/null && { exec 3<>$f; } 2>/dev/null; then "
-                "while :; do read -r -u 3 _; done; fi; while :; do sleep 86400 & wait $!; done"]
+                "while :; do read -r -n 1 -u 3 _; done; fi; while :; do sleep 86400 & wait $!; done"]
 LEGACY_INIT_COMMANDS = (["/bin/bash", "-c", "trap 'exit 0' TERM; while :; do sleep 86400 & wait $!; done"],)
 """The init of sandboxes made by earlier versions (``belayer gc`` still recognises them)."""
 OUTPUT_TMPFS = {OUTPUT_DIR: "size=64m,mode=0700"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -172,5 +173,28 @@ def test_the_init_is_one_process_that_reaps_orphans_and_stops_on_sigterm(docker_
         container.stop(timeout=30)
         container.reload()
         assert container.attrs["State"]["ExitCode"] == 0
+    finally:
+        sb.close()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_a_line_written_into_the_inits_fifo_grows_nothing(docker_client):
+    """The init reads its FIFO a byte at a time: a sandbox process (root in it, like an agent's
+    commands) that writes one endless line there cannot make PID 1 the sandbox's memory hog."""
+    sb = DockerSandbox(client=docker_client)
+    try:
+        pid = docker_client.api.inspect_container(sb.container_id)["State"]["Pid"]
+        before = _rss_kib(pid)
+        r = sb.execute("head -c 1048576 /dev/zero | tr '\\0' a > /run/belayer/.init && echo written", timeout=120)
+        assert r["output"].strip() == "written", r
+        grown = _rss_kib(pid) - before
+        assert grown < 256, f"the init grew by {grown} KiB reading a 1 MiB line"
+        assert sb.execute("echo alive")["output"] == "alive\n"
     finally:
         sb.close()
