@@ -147,7 +147,8 @@ class HookRelay:
         os.mkfifo(events, 0o600)
         os.mkfifo(answer, 0o600)
         me = OwnerId.current()
-        bound = f"{max(1.0, timeout_s):g}"
+        bound_s = max(1.0, timeout_s)
+        bound = f"{bound_s:g}"
         self.env: dict[str, str] = {}
         """For runc's environment (CRIU and its action scripts inherit it)."""
         self.config_lines: list[str] = []
@@ -161,7 +162,7 @@ class HookRelay:
         else:
             script = work / "criu-hook.sh"
             orphaned = _ORPHANED.format(pid=me.pid, start=me.start_time, python=shlex.quote(sys.executable),
-                                        watch=shlex.quote(_WATCH), bound=bound, polls=int(float(bound) * 100),
+                                        watch=shlex.quote(_WATCH), bound=bound, polls=int(bound_s * 100),
                                         freezer=shlex.quote(str(orphan_thaw[0])) if orphan_thaw else "''",
                                         thawed=shlex.quote(orphan_thaw[1]) if orphan_thaw else "''")
             script.write_text(_SCRIPT.format(orphaned=orphaned, answer=shlex.quote(str(answer)),

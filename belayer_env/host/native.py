@@ -63,8 +63,8 @@ def _musl(musl: str, out: Path, sources: Sequence[Path], defines: Sequence[str],
     archives = []
     for lib in libs:
         found = subprocess.run([gcc, f"-print-file-name=lib{lib}.a"], capture_output=True,
-                               text=True).stdout.strip() if gcc else ""
-        if not found or not Path(found).is_absolute() or lib != "z":
+                               text=True).stdout.strip() if gcc and lib == "z" else ""
+        if not Path(found).is_absolute():
             return f"musl links no lib{lib} here"
         archives.append(found)
     with tempfile.TemporaryDirectory(prefix="belayer-musl-") as inc:

@@ -70,14 +70,14 @@ def tune(target: int | None = TARGET_ENTRIES, sysctl_file: Path | None = SYSCTL_
     if not now:
         return "this kernel has no per-namespace socket tables (Linux >= 6.2): captures walk the host's"
     if target is None:
-        return f"socket tables of new namespaces kept ({_words(now)}; {ENV}=keep)"
+        return f"socket tables of new namespaces kept ({describe(now)}; {ENV}=keep)"
     changed = []
     for proto, value in now.items():
         if value == 0:
             try:
                 SETTINGS[proto].write_text(f"{target}\n")
             except OSError as e:  # not the host's network namespace, or not root: captures work, slower
-                return f"socket tables of new namespaces left at {_words(now)}: {e}"
+                return f"socket tables of new namespaces left at {describe(now)}: {e}"
             changed.append(proto)
     now = sizes()
     persist = sysctl_file is not None and (changed or sysctl_file.exists())
@@ -85,7 +85,7 @@ def tune(target: int | None = TARGET_ENTRIES, sysctl_file: Path | None = SYSCTL_
         write_if_changed(sysctl_file, "# Belayer (belayer_env/host/netns_hash.py): CRIU walks a sandbox's socket tables\n"
                                       "# inside every checkpoint's freeze; tables of its own keep that walk short.\n"
                          + "".join(f"net.ipv4.{SETTINGS[p].name} = {v}\n" for p, v in now.items()), 0o644)
-    return (f"socket tables of new namespaces: {_words(now)}" + (" (set now)" if changed else "")
+    return (f"socket tables of new namespaces: {describe(now)}" + (" (set now)" if changed else "")
             + (f" (kept across reboots: {sysctl_file})" if persist else ""))
 
 
@@ -95,7 +95,8 @@ def ok(values: dict[str, int] | None = None) -> bool:
     return bool(values) and all(v > 0 for v in values.values())
 
 
-def _words(values: dict[str, int]) -> str:
+def describe(values: dict[str, int]) -> str:
+    """The settings in words (``sizes()``): "TCP 1024, UDP shared with the host"."""
     return ", ".join(f"{p.upper()} {v or 'shared with the host'}" for p, v in values.items())
 
 

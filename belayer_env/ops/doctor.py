@@ -234,8 +234,7 @@ def check_netns_hash() -> Check:
     if not sizes:
         return Check("namespace socket tables", True, "this kernel has none of its own per namespace (Linux < 6.2)",
                      "", required=False)
-    said = ", ".join(f"{p.upper()} {v or 'shared with the host'}" for p, v in sizes.items())
-    return Check("namespace socket tables", netns_hash.ok(sizes), f"new namespaces: {said}",
+    return Check("namespace socket tables", netns_hash.ok(sizes), f"new namespaces: {netns_hash.describe(sizes)}",
                  f"run `{SETUP}` (sets {netns_hash.TARGET_ENTRIES}; {netns_hash.ENV}=keep leaves it); sandboxes "
                  "created before keep the host's tables", required=False)
 
