@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from belayer_core.errors import RequestFailed, UsageError, WorkerLost
-from belayer_engine.sse import sse_json
+from belayer_engine.common.sse import sse_json
 
 
 @dataclass

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from belayer_core.errors import UsageError
-from belayer_engine import worker_auth
+from belayer_engine.common import worker_auth
+from belayer_engine.common.routing import RoutingTable
 from belayer_engine.lifecycle import LoopEngine, engine_recovery, engine_router_config, running
 from belayer_engine.router import Router, RouterConfig
-from belayer_engine.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor
 from belayer_engine.supervisor.config import SupervisorConfig
-from belayer_engine.weights_endpoint import WeightsEndpoint
+from belayer_engine.weights.endpoint import WeightsEndpoint
 
 
 class RecoverableEngine(LoopEngine):
@@ -73,7 +73,7 @@ class RecoverableEngine(LoopEngine):
         await self.supervisor.start()
         assert self.supervisor.run_dir is not None
         path = Path(self.supervisor_config.weights_socket or self.supervisor.run_dir / "weights.sock")
-        self._weights_endpoint = WeightsEndpoint(self.supervisor, path)
+        self._weights_endpoint = WeightsEndpoint(self.supervisor.weight_sync, path)
         await self._weights_endpoint.start()
         self.weights_socket = str(path)
 
@@ -117,7 +117,7 @@ class RecoverableEngine(LoopEngine):
         it once every slot in service serves it. The engine keeps a host copy of the newest
         value of each updated tensor, so a slot restarted from scratch (its arena lost)
         serves these weights, never the checkpoint's. Another process does the same through
-        ``weights_socket`` (``belayer_engine.weights_client.EngineWeights``)."""
+        ``weights_socket`` (``belayer_engine.weights.client.EngineWeights``)."""
         assert self.supervisor is not None
         return self.call(self.supervisor.update_weights(state_dict, version=version), timeout=timeout)
 

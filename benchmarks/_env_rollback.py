@@ -31,12 +31,12 @@ def make_env(client, run_id: str, setup: str | None, store_dir: str) -> Recovera
 def rollback_once(client, env: RecoverableSandboxEnv, i: int, out: dict) -> float:
     env.step(f"echo {i} > /tmp/env-step")
     env.settle()
-    standby = env.checkpointer.standby
+    standby = env.recovery.standby
     deadline = time.monotonic() + WAIT_S
     while standby is None or not (standby.ready() or standby.error):
         assert time.monotonic() < deadline, "the env's standby was not prepared"
         time.sleep(0.05)
-        standby = env.checkpointer.standby
+        standby = env.recovery.standby
     assert standby.error is None, f"standby failed: {standby.error}"
     client.api.kill(env.sandbox.container_id)  # the failure
     _, _, _, _, info = env.step("cat /tmp/env-step")

@@ -26,7 +26,7 @@ from belayer_engine.arena.client import ArenaClient
 def measure(device: str, stack_bytes: int) -> dict:
     d = tempfile.mkdtemp()
     sock, wsock = f"{d}/a.sock", f"{d}/w.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "belayer_engine.arena", "--socket", sock, "--device", device,
+    proc = subprocess.Popen([sys.executable, "-m", "belayer_engine.backends.sglang.arena", "--socket", sock, "--device", device,
                              "--preset", "qwen3-4b", "--weight-cache-socket", wsock, "--no-reference-slots",
                              "--cuda-stack-bytes", str(stack_bytes)])
     try:

@@ -195,7 +195,7 @@ def measure_cold_disk(args, rng: random.Random) -> list[dict]:
     the re-sent request (that restart is all a user without a shadow can do)."""
     from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
     from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
-    from belayer_engine.supervisor.processes import free_port
+    from belayer_engine.common.net import free_port
 
     model = args.model_dir or str(ensure_embedded_model())
     runs = []

@@ -176,7 +176,7 @@ def gpu_by_process(gpu: dict[int, float], pid: int) -> dict[str, float]:
 def measure(model_dir: str, device: str, names: list[str], probe: Path | None = None) -> dict:
     run = Path(tempfile.mkdtemp(prefix="sglang-memory-"))
     sock, wcache = str(run / "arena.sock"), str(run / "wcache.sock")
-    arena = subprocess.Popen([sys.executable, "-m", "belayer_engine.arena", "--socket", sock, "--device", device,
+    arena = subprocess.Popen([sys.executable, "-m", "belayer_engine.backends.sglang.arena", "--socket", sock, "--device", device,
                               "--model-dir", model_dir, "--weight-cache-socket", wcache, "--no-reference-slots"])
     servers = {}
     try:

@@ -36,7 +36,7 @@ from _plotting import pyplot, save_result  # noqa: E402
 from belayer_engine.arena.client import ArenaClient  # noqa: E402
 from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env  # noqa: E402
 from belayer_engine.backends.sglang.model_dir import embedded_config, ensure_embedded_model  # noqa: E402
-from belayer_engine.supervisor.processes import free_port  # noqa: E402
+from belayer_engine.common.net import free_port  # noqa: E402
 
 
 def server_memory(pid: int) -> dict:
@@ -109,7 +109,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs: list[subprocess.Popen] = []
     try:
-        arena = subprocess.Popen([sys.executable, "-m", "belayer_engine.arena", "--socket", str(run / "arena.sock"),
+        arena = subprocess.Popen([sys.executable, "-m", "belayer_engine.backends.sglang.arena", "--socket", str(run / "arena.sock"),
                                   "--model-dir", str(model), "--weight-cache-socket", str(run / "wc.sock"),
                                   "--num-blocks", "1", "--scratch-blocks", "1"], env=env, start_new_session=True)
         procs.append(arena)

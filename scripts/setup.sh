@@ -195,8 +195,8 @@ else
     info "installing torch==2.13.0 (CPU build)"
     run_logged "$LOG_DIR/pip-torch.log" "$PY" -m pip install -q --progress-bar off torch==2.13.0
   fi
-  # the editable install maps the top-level packages found at install time (setup.py: which, and
-  # wrappers/, examples/ as belayer.wrappers, belayer.examples): re-install when they change
+  # the editable install maps the top-level packages found at install time (setup.py says
+  # which): re-install when they change
   stamp="$ROOT $(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/*/__init__.py 2>/dev/null | sha256sum | cut -c1-16) $(cd "$ROOT" && ls -d */__init__.py | tr "\n" " ") $("$PY" -c 'import sys; print(sys.executable)')"
   if [ "$(cat "$LOG_DIR/pip-stamp" 2>/dev/null)" = "$stamp" ] \
       && (cd / && "$PY" -c "import belayer.wrappers, belayer.examples, belayer_core, belayer_env, belayer_engine") 2>/dev/null; then
@@ -250,7 +250,7 @@ fi
 bash "$ROOT/scripts/setup_skyrl.sh"         # test deps: skyrl-gym, then mini-swe-agent in its own venv
 bash "$ROOT/scripts/setup_minisweagent.sh"
 bash "$ROOT/scripts/setup_areal.sh"            # test dep: AReaL's SGLang client in its own venv
-bash "$ROOT/scripts/setup_trl.sh"              # test dep: TRL in its own venv (examples/trl_grpo/)
+bash "$ROOT/scripts/setup_trl.sh"              # test dep: TRL in its own venv (belayer/examples/trl_grpo/)
 
 step "Ready"
 command -v belayer >/dev/null && belayer doctor || true

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install AReaL 1.0.4 (whose own SGLang client tests/wrappers/test_areal.py drives the engine
+# Install AReaL 1.0.4 (whose own SGLang client tests/belayer/wrappers/test_areal.py drives the engine
 # with) into its own virtual environment, so that its pins (torch<2.11, vllm, megatron, ...)
 # never touch the project's environment.
 #

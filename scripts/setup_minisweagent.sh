@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install mini-swe-agent (the real agent that tests/wrappers/test_minisweagent_real.py runs
+# Install mini-swe-agent (the real agent that tests/belayer/wrappers/test_minisweagent_real.py runs
 # Belayer's adapter under) into its own virtual environment, so that its pins (litellm,
 # datasets, ...) never touch the project's environment.
 #
@@ -7,7 +7,7 @@
 # constraint on every package the project's environment holds, at the version it holds: pip
 # adds only packages the project lacks and changes none it has (or fails here, naming the
 # conflict). So the test process can put the venv's site-packages after its own
-# (tests/wrappers/extra_deps.py) and import both the project and mini-swe-agent, each at the
+# (tests/belayer/wrappers/extra_deps.py) and import both the project and mini-swe-agent, each at the
 # versions it was tested with; `$VENV/bin/python -m pytest ...` works too.
 #
 # Idempotent: a stamp records the version and the project's package set it was resolved

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install skyrl-gym (SkyRL's env interface, which wrappers/skyrl.py adapts to and
-# tests/wrappers/test_skyrl.py tests against) as a test dependency of the project's python.
+# Install skyrl-gym (SkyRL's env interface, which belayer/wrappers/skyrl.py adapts to and
+# tests/belayer/wrappers/test_skyrl.py tests against) as a test dependency of the project's python.
 # Its dependencies are light (pandas, omegaconf, func_timeout, requests) and touch neither
 # torch nor pydantic: it is installed under a constraint on every package the project's
 # environment already holds, at the version it holds, so pip only adds packages (or fails

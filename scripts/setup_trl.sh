@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install TRL (the trainer examples/trl_grpo.py runs GRPO with, and
-# tests/examples/test_trl_grpo.py runs in CI) into its own virtual environment, so that its
+# Install TRL (the trainer belayer/examples/trl_grpo.py runs GRPO with, and
+# tests/belayer/examples/test_trl_grpo.py runs in CI) into its own virtual environment, so that its
 # pins (transformers, accelerate, datasets, pyarrow, ...) never touch the project's
 # environment.
 #

@@ -1,7 +1,7 @@
 """The boundaries of shared/DESIGN.md, checked on every import statement (top level or not).
 
 - belayer_env and belayer_engine never import each other; the core (both halves and the
-  shared ``belayer`` modules) never imports wrappers/, examples/ or the CLI.
+  shared base) never imports belayer.wrappers, belayer.examples or the CLI.
 - The router reaches workers only over HTTP: it imports no backend, arena or supervisor code.
 - The supervisor knows workers only through ``backends.base`` and each backend's launcher.
 - Backends never import the router or the supervisor's recovery logic.
@@ -50,7 +50,7 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-CORE_FORBIDDEN = ["wrappers", "examples", "belayer.cli", "belayer.wrappers", "belayer.examples"]
+CORE_FORBIDDEN = ["belayer.cli", "belayer.wrappers", "belayer.examples"]
 
 RULES = [
     ("belayer_env", ["belayer_engine", *CORE_FORBIDDEN], []),

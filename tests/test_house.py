@@ -121,3 +121,33 @@ def test_the_env_half_has_no_loose_modules_but_its_base() -> None:
     own entry points and the two utilities every part uses."""
     loose = sorted(p.name for p in (ROOT / "belayer_env").glob("*.py"))
     assert loose == ["__init__.py", "background.py", "phases.py", "registration.py"]
+
+
+def _packages(graph: dict[str, set[str]], modules: dict[str, Path]) -> dict[str, set[str]]:
+    """The same edges between folders: each module belongs to the package of its folder (a
+    package's ``__init__`` to that package)."""
+    def folder(name: str) -> str:
+        return name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        here = folder(name)
+        out.setdefault(here, set()).update(folder(t) for t in targets if folder(t) != here)
+    return out
+
+
+def test_no_import_circle_between_packages() -> None:
+    """Layers, not a web: no folder imports (through any module) a folder that imports it
+    back, e.g. a backend that imports the supervisor while the supervisor starts backends."""
+    modules = _modules()
+    cycles = _cycles(_packages(_graph(modules), modules))
+    assert not cycles, "import circles between packages (move the shared part below both):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_package_circle_check_sees_a_back_arrow() -> None:
+    modules = {"p.a": Path("p/a.py"), "p.q.b": Path("p/q/b.py"), "p.r.c": Path("p/r/c.py")}
+    up = {"p.a": {"p.q.b"}, "p.q.b": {"p.r.c"}, "p.r.c": {"p.a"}}
+    assert _cycles(_packages(up, modules)) == [["p", "p.q", "p.r"]]
+    down = {"p.a": {"p.q.b"}, "p.q.b": {"p.r.c"}, "p.r.c": set()}
+    assert _cycles(_packages(down, modules)) == []

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from belayer import __version__
+from belayer_core import __version__
 from belayer_core.errors import BelayerError, InfraError, UsageError
 
 SUBCOMMANDS = ["demo", "doctor", "gc", "checkpoints", "consistency", "serve"]

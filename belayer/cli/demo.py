@@ -1,4 +1,4 @@
-"""``belayer demo``: a short SWE agent RL run with injected faults (examples/swe_rl).
+"""``belayer demo``: a short SWE agent RL run with injected faults (belayer/examples/swe_rl).
 
 Its options are the fields of the example's ``RunConfig`` (``--steps``,
 ``--faults-env-rate``, ``--learner-sft-steps`` ...). Live progress goes to stdout (to

@@ -53,7 +53,7 @@ def _end_processes(pids: list[int], timeout: float = 10.0) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from belayer_engine.arena.shm_files import orphaned, reap_orphans
     from belayer_engine.backends.sglang import shm_files as sglang_shm
-    from belayer_engine.owner import orphans
+    from belayer_engine.common.owner import orphans
     from belayer_engine.supervisor import run_dir as engine_run_dirs
     from belayer_env.ops.gc import (
         GcReport,

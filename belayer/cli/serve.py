@@ -13,7 +13,7 @@ import importlib
 
 # name -> (flags "module:function", runner "module:function", help)
 TARGETS: dict[str, tuple[str, str, str]] = {
-    "arena": ("belayer_engine.arena.config:add_flags", "belayer_engine.arena.server:run",
+    "arena": ("belayer_engine.backends.sglang.arena:add_flags", "belayer_engine.backends.sglang.arena:run",
               "arena server: owns the weights and KV memory of one device"),
     "worker": ("belayer_engine.backends.reference.config:add_flags", "belayer_engine.backends.reference.worker:run",
                "reference inference worker (SGLang /generate protocol)"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from belayer_core.config_flags import ConfigFlags
 
@@ -26,20 +26,13 @@ class ArenaConfig(BaseModel):
     scratch_blocks: int = Field(8, ge=0, description="KV blocks for shadows (0: backends whose KV lives in the worker)")
     ack_timeout_s: float = Field(30.0, gt=0, description="update_weights waits this long for every worker to switch")
     lease_wait_s: float = Field(2.0, gt=0, description="activation waits this long for the old worker's connection to close")
-    weight_cache_socket: str | None = Field(None, description="also serve SGLang's weight-cache protocol on this Unix socket")
     reference_slots: bool = Field(True, description="hold the reference worker's two weight slots and KV arena; "
-                                  "--no-reference-slots (needs --weight-cache-socket) keeps the weights once, "
-                                  "in SGLang's layout only")
+                                  "--no-reference-slots (needs an export that holds the weights, as the SGLang "
+                                  "arena's --weight-cache-socket) keeps the weights once, in that export")
 
     cuda_stack_bytes: int = Field(256, ge=0, le=1 << 20, description=(
         "CUDA per-thread stack limit of the arena's context (the driver raises it for a kernel that "
         "needs more): 256 keeps ~200 MB of an H200's context free; 0 keeps the driver's 1 KiB"))
-
-    @model_validator(mode="after")
-    def _holds_weights_somewhere(self) -> ArenaConfig:
-        if not self.reference_slots and not self.weight_cache_socket:
-            raise ValueError("reference_slots=False needs weight_cache_socket: the arena would hold no weights")
-        return self
 
 
 FLAGS = ConfigFlags(ArenaConfig)

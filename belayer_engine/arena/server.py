@@ -9,8 +9,10 @@ serves, published (version + 1), pushed to every attached worker, and ``update_w
 returns only when each live worker has confirmed it switched. The slot being overwritten
 is always one no worker uses (the update first waits until all of them confirmed the
 current version), so no copy happens in workers and no stale version is served after
-``update_weights`` returns. Only one attached worker holds the live-KV lease at a time;
-the lease is freed when its connection closes, i.e. when that process is gone.
+``update_weights`` returns. Attached workers and the live-KV lease: ``attachments.py``.
+
+Backends whose workers speak another protocol hand the arena ``exports`` (``exports.py``:
+SGLang's weight cache and KV pool, built by ``belayer_engine.backends.sglang.arena``).
 
 Run: ``python -m belayer_engine.arena --socket PATH [--device cpu|cuda:N] [model options]``.
 """
@@ -18,7 +20,6 @@ Run: ``python -m belayer_engine.arena --socket PATH [--device cpu|cuda:N] [model
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import signal
 import socket
@@ -26,46 +27,29 @@ import socketserver
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from belayer_core.errors import ArenaLost, BelayerError, UsageError, WorkerLost
-from belayer_engine import owner
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
+from belayer_engine.arena.attachments import Attachments
 from belayer_engine.arena.config import FLAGS, ArenaConfig, add_flags
 from belayer_engine.arena.cuda_limits import set_thread_stack
 from belayer_engine.arena.device_check import check_device
+from belayer_engine.arena.exports import ArenaExport, ExportContext, ExportFactory
 from belayer_engine.arena.payload import read_update
+from belayer_engine.common import owner
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights, load_safetensors_dir, torch_dtype
-
-
-@dataclass
-class _Attached:
-    conn_id: int
-    role: str
-    worker_id: str
-    pid: int
-    version: int
-    sock: socket.socket
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-    waiting_kv: bool = False  # inside acquire_kv, waiting for the lease (health reports it)
-
-    def push(self, msg: dict) -> None:
-        try:
-            with self.send_lock:
-                proto.send(self.sock, msg)
-        except OSError:
-            pass  # the reader thread sees the closed connection and drops it
 
 
 class ArenaServer:
     """Allocates the regions, answers the control socket, runs weight-version updates."""
 
-    def __init__(self, cfg: ArenaConfig):
+    def __init__(self, cfg: ArenaConfig, exports: Sequence[ExportFactory] = ()):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.started = time.time()
@@ -91,13 +75,14 @@ class ArenaServer:
             for name, t in weights.items():
                 self.slots[0][name].copy_(t)
             self.regions["w1"].copy_(self.regions["w0"])
-        self.export = None  # SGLang servers map the weights through it (backends/sglang)
-        if cfg.weight_cache_socket:
-            from belayer_engine.backends.sglang.weight_cache import WeightCacheExport
-
-            self.export = WeightCacheExport(self.model, weights, cfg.weight_cache_socket, self.device)
-            self.export.start()
-        del weights
+        context = ExportContext(self.model, weights, self.device)
+        self.exports: list[ArenaExport] = [make(context) for make in exports]
+        if not self.slots and not any(e.holds_weights for e in self.exports):
+            raise UsageError("--no-reference-slots needs an export that holds the weights (the SGLang "
+                             "arena's --weight-cache-socket): this arena would hold no weights")
+        for export in self.exports:
+            export.start()
+        del weights, context
         if self.device.type == "cuda":  # the loaded HF tensors' blocks go back to the device
             torch.cuda.empty_cache()
         self.cuda_stack = set_thread_stack(self.device, cfg.cuda_stack_bytes)  # (before, after) bytes; None on CPU
@@ -105,11 +90,9 @@ class ArenaServer:
         if not ok:
             raise ArenaLost(f"arena on {self.device}: the device check failed at start: {detail}")
         self.version, self.slot = 0, 0
-        self.cond = threading.Condition()
+        self.links = Attachments(cfg.lease_wait_s)  # reference workers: versions confirmed, KV lease
+        self.cond = self.links.cond
         self.update_lock = threading.Lock()
-        self.attached: dict[int, _Attached] = {}
-        self.kv_holder: int | None = None
-        self._ids = itertools.count(1)
         self.server: socketserver.ThreadingUnixStreamServer | None = None
 
     # ------------------------------------------------------------------ answers
@@ -119,25 +102,23 @@ class ArenaServer:
                 "kv": {"num_blocks": self.cfg.num_blocks, "block_size": self.cfg.block_size,
                        "scratch_blocks": self.cfg.scratch_blocks},
                 "version": self.version, "slot": self.slot, "cuda_stack": self.cuda_stack,
-                "weight_cache": self.export.describe() if self.export else None}
+                **self._described_exports()}
 
     def health(self) -> dict:
         device_ok, detail = check_device(self.device, self.handles)
-        with self.cond:
-            attached = [{"role": a.role, "worker_id": a.worker_id, "pid": a.pid,
-                         "version": a.version, "kv_lease": a.conn_id == self.kv_holder,
-                         "kv_waiting": a.waiting_kv}
-                        for a in self.attached.values()]
+        attached = self.links.listing()
         return {"status": "ok" if device_ok else "unhealthy", "owner_pid": os.getpid(),
                 "device": str(self.device), "device_ok": device_ok, "device_detail": detail,
                 "version": self.version, "uptime_s": time.time() - self.started,
-                "attached": attached,
-                "weight_cache": self.export.describe() if self.export else None}
+                "attached": attached, **self._described_exports()}
+
+    def _described_exports(self) -> dict:
+        return {e.name: e.describe() for e in self.exports}
 
     def checksums(self) -> dict:
         """sha256 of each weight slot, of the live KV blocks and of the scratch blocks (and of
-        the SGLang-layout weights when they are served)."""
-        out = {"weight_cache": mem.checksum(self.export.weights.flat.view(-1).view(torch.uint8))} if self.export else {}
+        of what each export serves)."""
+        out = {e.name: digest for e in self.exports if (digest := e.checksum()) is not None}
         if not self.slots:
             return out
         out.update({name: mem.checksum(self.regions[name]) for name in ("w0", "w1")})
@@ -148,13 +129,6 @@ class ArenaServer:
         return out
 
     # ------------------------------------------------------------------ weight updates
-    def _all_on(self, version: int) -> bool:
-        return all(a.version >= version for a in self.attached.values())
-
-    def _laggards(self, version: int) -> list[str]:
-        return [f"{a.worker_id}(pid {a.pid}, v{a.version})" for a in self.attached.values()
-                if a.version < version]
-
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Write a new version into the free slot, publish it, wait for every worker.
 
@@ -173,10 +147,10 @@ class ArenaServer:
                 raise UsageError(f"{name}: shape {list(t.shape)} != {self.layout[name][1]}")
         with self.update_lock:
             with self.cond:
-                if not self.cond.wait_for(lambda: self._all_on(self.version),
+                if not self.cond.wait_for(lambda: self.links.all_on(self.version),
                                           self.cfg.ack_timeout_s):
                     raise WorkerLost(f"workers still serve an older version: "
-                                     f"{self._laggards(self.version)}")
+                                     f"{self.links.laggards(self.version)}")
                 if version is not None and version <= self.version:
                     raise UsageError(f"version {version} is not newer than the current {self.version}")
                 staging = 1 - self.slot
@@ -190,38 +164,45 @@ class ArenaServer:
                 self.version = self.version + 1 if version is None else version
                 self.slot = staging
                 version = self.version
-                for a in list(self.attached.values()):
-                    a.push({"event": "version", "version": version, "slot": staging})
-                if not self.cond.wait_for(lambda: self._all_on(version), self.cfg.ack_timeout_s):
+                self.links.push_all({"event": "version", "version": version, "slot": staging})
+                if not self.cond.wait_for(lambda: self.links.all_on(version), self.cfg.ack_timeout_s):
                     raise WorkerLost(f"version {version} published but not confirmed by "
-                                     f"{self._laggards(version)}")
-            if self.export is not None:  # in place, servers paused meanwhile
-                self.export.update(tensors, version)
+                                     f"{self.links.laggards(version)}")
+            self._update_exports(tensors, version)
         return version
 
+    def _update_exports(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        for export in self.exports:  # in place, their servers paused meanwhile
+            if export.holds_weights:
+                export.update_weights(tensors, version)
+
     def _update_weight_cache_only(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
-        """No reference slots: the SGLang-layout weights are the only copy; written in place
-        while every registered server is paused (``WeightCacheExport.update``)."""
-        assert self.export is not None
-        self.export.weights.check(tensors)
+        """No reference slots: an export's weights are the only copy; written in place while
+        every server mapping them is paused (e.g. ``WeightCacheExport.update_weights``)."""
+        for export in self.exports:
+            if export.holds_weights:
+                export.check_weights(tensors)
         with self.update_lock:
             with self.cond:
                 if version is not None and version <= self.version:
                     raise UsageError(f"version {version} is not newer than the current {self.version}")
                 self.version = self.version + 1 if version is None else version
                 version = self.version
-            self.export.update(tensors, version)
+            self._update_exports(tensors, version)
         return version
 
-    def register_server(self, msg: dict) -> dict:
-        """An SGLang server mapping the weight cache: synced to the current version now,
-        paused and synced on every later update."""
-        if self.export is None:
-            raise UsageError("this arena serves no weight cache (start it with --weight-cache-socket)")
-        with self.update_lock:
-            self.export.register(str(msg["url"]), str(msg.get("role", "worker")), int(msg.get("pid", 0)),
-                                 self.version, msg.get("authorization"))
-            return {"version": self.version}
+    def export_op(self, op: str, msg: dict) -> dict | None:
+        """An op an export answers (under the update lock: no weight update meanwhile), or None."""
+        for export in self.exports:
+            handler = export.ops().get(op)
+            if handler is not None:
+                with self.update_lock:
+                    return handler(msg, self.version)
+        return None
+
+    def _op_names(self) -> str:
+        names = ["describe", "health", "checksums", "update_weights", "attach", "shutdown"]
+        return ", ".join(names + [op for e in self.exports for op in e.ops()])
 
     # ------------------------------------------------------------------ connections
     def handle(self, sock: socket.socket) -> None:
@@ -235,7 +216,7 @@ class ArenaServer:
             op = msg.get("op")
             try:
                 if op == "attach":
-                    self._attached_loop(sock, rfile, msg)
+                    self._attach(sock, rfile, msg)
                     return
                 if op == "describe":
                     reply = self.describe()
@@ -245,16 +226,12 @@ class ArenaServer:
                     reply = self.checksums()
                 elif op == "update_weights":
                     reply = {"version": self.update_weights(read_update(msg, rfile), msg.get("version"))}
-                elif op == "register_server":
-                    reply = self.register_server(msg)
-                elif op == "weight_cache":
-                    if self.export is None:
-                        raise UsageError("this arena serves no weight cache (start it with --weight-cache-socket)")
-                    reply = self.export.describe()
                 elif op == "shutdown":
                     reply = {"status": "stopping"}  # sent first; the stop starts after the send below
+                elif (answer := self.export_op(str(op), msg)) is not None:
+                    reply = answer
                 else:
-                    raise UsageError(f"unknown op {op!r}")
+                    raise UsageError(f"unknown op {op!r} (this arena serves {self._op_names()})")
             except BelayerError as exc:
                 reply = proto.error_reply(exc)
             except (KeyError, TypeError, ValueError, RuntimeError) as exc:
@@ -266,61 +243,14 @@ class ArenaServer:
             if op == "update_weights" and "error" in reply:
                 return  # the payload may be half read: end this connection
 
-    def _acquire_lease(self, conn: _Attached) -> None:
-        with self.cond:
-            conn.waiting_kv = True
-            try:
-                free = self.cond.wait_for(lambda: self.kv_holder in (None, conn.conn_id),
-                                          self.cfg.lease_wait_s)
-            finally:
-                conn.waiting_kv = False
-            if not free:
-                holder = self.attached.get(self.kv_holder)
-                who = f"{holder.worker_id} (pid {holder.pid})" if holder else "?"
-                raise UsageError(f"live KV is held by {who}; fence it before activating another")
-            self.kv_holder = conn.conn_id
-            conn.role = "active"
-
-    def _attached_loop(self, sock: socket.socket, rfile, msg: dict) -> None:
+    def _attach(self, sock: socket.socket, rfile, msg: dict) -> None:
         role = msg.get("role", "active")
         if role not in ("active", "shadow"):
             raise UsageError("attach role must be 'active' or 'shadow'")
         if not self.slots:
             raise UsageError("this arena holds no reference-worker slots (started with --no-reference-slots): "
-                             "only SGLang weight-cache clients map its weights")
-        with self.cond:
-            conn = _Attached(next(self._ids), role, str(msg.get("worker_id", "?")),
-                             proto.peer_pid(sock), self.version, sock)
-            self.attached[conn.conn_id] = conn
-            reply = {"reply": "attach", **self.describe()}
-        try:
-            try:
-                if role == "active":
-                    self._acquire_lease(conn)
-            except BelayerError as exc:
-                conn.push({"reply": "attach", **proto.error_reply(exc)})
-                return
-            conn.push(reply)
-            while (m := proto.recv(rfile)) is not None:
-                op = m.get("op")
-                if op == "using":
-                    with self.cond:
-                        conn.version = int(m["version"])
-                        self.cond.notify_all()
-                elif op == "acquire_kv":
-                    try:
-                        self._acquire_lease(conn)
-                        conn.push({"reply": "acquire_kv", "ok": True})
-                    except BelayerError as exc:
-                        conn.push({"reply": "acquire_kv", **proto.error_reply(exc)})
-                elif op == "ping":
-                    conn.push({"reply": "ping", "version": self.version})
-        finally:
-            with self.cond:
-                self.attached.pop(conn.conn_id, None)
-                if self.kv_holder == conn.conn_id:
-                    self.kv_holder = None
-                self.cond.notify_all()
+                             "only its exports' clients (SGLang's weight cache) map its weights")
+        self.links.serve(sock, rfile, role, str(msg.get("worker_id", "?")), lambda: self.version, self.describe)
 
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
@@ -351,15 +281,20 @@ class ArenaServer:
 
     def cleanup(self) -> None:
         Path(self.cfg.socket).unlink(missing_ok=True)
-        if self.export is not None:
-            self.export.close()
+        for export in self.exports:
+            export.close()
         for h in self.handles.values():
             if h["kind"] == "shm":
                 Path(h["path"]).unlink(missing_ok=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = FLAGS.build(args)
+    return serve(FLAGS.build(args))
+
+
+def serve(cfg: ArenaConfig, exports: Sequence[ExportFactory] = ()) -> int:
+    """Serve the arena ``cfg`` describes, with ``exports`` (what a backend adds), until
+    SIGTERM or the owner's death."""
     torch.set_num_threads(1)
     server: ArenaServer | None = None
 
@@ -371,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, die)
     owner.watch_owner(die)  # an arena never outlives its engine, however the engine ends
-    server = ArenaServer(cfg)
+    server = ArenaServer(cfg, exports)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -44,6 +44,10 @@ class WorkerBackend(Protocol):
     # old worker could still be writing (the reference worker's KV lives in the arena).
     isolated_kv: bool
 
+    # The arena program (``python -m <arena_module>``): ``belayer_engine.arena``, or a backend's
+    # entry point that hands the arena what its workers map (SGLang's weight cache).
+    arena_module: str
+
     def arena_argv(self, slot: SlotSpec) -> list[str]:
         """Extra arena options this backend needs (e.g. a weight-cache socket)."""
         ...

@@ -31,11 +31,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from belayer_core.errors import UsageError, WorkerLost
-from belayer_engine import worker_auth
+from belayer_engine.common import worker_auth
+from belayer_engine.common.routing import Endpoint, RoutingTable
 from belayer_engine.lifecycle import LoopEngine, engine_recovery, engine_router_config, running
 from belayer_engine.ray.slot_actor import EngineSlotActor
 from belayer_engine.router import Router, RouterConfig
-from belayer_engine.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig
 
 SLOT_RESOURCE = "belayer_engine_slot"

@@ -21,7 +21,7 @@ from typing import Any
 
 from belayer_core.errors import ArenaLost, WorkerLost
 from belayer_engine.arena.client import ArenaClient
-from belayer_engine.routing import RoutingTable
+from belayer_engine.common.routing import RoutingTable
 from belayer_engine.supervisor import Supervisor
 from belayer_engine.supervisor.config import SupervisorConfig
 

@@ -1,6 +1,6 @@
 """OpenAI-compatible router with token-level continuation across worker failures."""
 
-from belayer_engine.routing import Endpoint, RoutingTable
+from belayer_engine.common.routing import Endpoint, RoutingTable
 
 from .app import Router
 from .config import RouterConfig

@@ -14,9 +14,9 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from belayer_engine.routing import Endpoint, RoutingTable
+from belayer_engine.common import worker_auth
+from belayer_engine.common.routing import Endpoint, RoutingTable
 
-from .. import worker_auth
 from .codec import Codec, load_codec
 from .config import RouterConfig
 from .native_admin import NativeAdmin

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from belayer_core.errors import BelayerError, StaleWeightVersion, UsageError
-from belayer_engine.routing import RoutingTable
+from belayer_engine.common.routing import RoutingTable
 
 from .native_api import failure_status, native_error
 from .recovery import Continuation, Generation
@@ -134,7 +134,7 @@ class NativeAdmin:
             if not isinstance(path, str) or not path:
                 raise UsageError("model_path: a directory with the checkpoint's *.safetensors")
             layout, dtype = await self.control.weight_layout()
-            from belayer_engine.weights_disk import load_checkpoint  # torch: only when asked
+            from belayer_engine.weights.disk import load_checkpoint  # torch: only when asked
 
             return await asyncio.to_thread(load_checkpoint, Path(path), layout, dtype)
 
@@ -145,7 +145,7 @@ class NativeAdmin:
         (name, tensor) pairs; shared-memory handles, decoded by an allowlist of torch's rebuild
         functions only) becomes one engine-wide version, like ``update_weights_from_disk``."""
         async def tensors(body: dict) -> dict:
-            from belayer_engine.weights_tensor import decode_named_tensors  # torch: only when asked
+            from belayer_engine.weights.tensor import decode_named_tensors  # torch: only when asked
 
             return await asyncio.to_thread(decode_named_tensors, body.get("serialized_named_tensors"))
 

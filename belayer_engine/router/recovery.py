@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from belayer_core.errors import RequestFailed, WorkerLost
-from belayer_engine.routing import RoutingTable
+from belayer_engine.common.routing import RoutingTable
 
 from .config import RouterConfig
 from .forced_decode import replay_fields

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from belayer_core.errors import UsageError
-from belayer_engine.json_body import parse_json_object
+from belayer_engine.common.json_body import parse_json_object
 
 MAX_SEED = 2**63  # seeds are 0 <= seed < 2**63 (a torch generator takes 64 bits; keep one spare)
 MAX_STOP = 16

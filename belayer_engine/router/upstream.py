@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from belayer_core.errors import RequestFailed, UsageError, WorkerLost
-from belayer_engine.routing import LOST, Endpoint
-from belayer_engine.sse import sse_json
+from belayer_engine.common.routing import LOST, Endpoint
+from belayer_engine.common.sse import sse_json
 
 _DONE = object()
 

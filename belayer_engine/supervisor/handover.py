@@ -1,7 +1,7 @@
 """Recovery decisions of the supervisor: handover to the shadow, cold restart, exclusion.
 
 A mixin of ``Supervisor`` (the state it uses: ``config``, ``table``, ``slots``, ``_procs``,
-``_event``, ``_route``, ``_rearm``, ``_start_worker``, ``_start_arena_with_weights``).
+``_event``, ``_route``, ``_rearm``, ``_start_worker``, ``weight_sync``).
 Detection lives in ``supervisor.py``; this module decides what a failure leads to:
 
 - worker failure: detect -> fence -> check the arena -> activate the shadow -> route ->
@@ -174,7 +174,7 @@ class Handover:
         if slot.arena is not None:
             await fence(slot.arena, self.config.fence_timeout_s)
         try:
-            await self._start_arena_with_weights(slot)  # never the checkpoint's weights after an update
+            await self.weight_sync.start_arena_with_weights(slot)  # never the checkpoint's weights after an update
             await self._route(slot, await self._start_worker(slot, shadow=False))
         except WorkerLost as exc:
             await self._exclude(slot, f"cold restart failed (ArenaLost): {exc}")

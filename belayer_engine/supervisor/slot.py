@@ -17,19 +17,14 @@ from pathlib import Path
 import aiohttp
 
 from belayer_core.errors import BelayerError, WorkerLost
-from belayer_engine import owner, worker_auth
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.base import SlotSpec, WorkerBackend, WorkerSpec
-from belayer_engine.routing import Endpoint
+from belayer_engine.common import owner, worker_auth
+from belayer_engine.common.net import free_port
+from belayer_engine.common.routing import Endpoint
 from belayer_engine.supervisor.config import SupervisorConfig
-from belayer_engine.supervisor.processes import (
-    ForkTemplate,
-    Proc,
-    fence,
-    free_port,
-    spawn,
-    wait_until,
-)
+from belayer_engine.supervisor.fork_template import ForkTemplate
+from belayer_engine.supervisor.processes import Proc, fence, spawn, wait_until
 
 
 @dataclass(eq=False)
@@ -93,7 +88,7 @@ class SlotProcesses:
     async def start_arena(self, slot: Slot) -> Proc:
         cfg = self.config
         slot.socket.unlink(missing_ok=True)
-        argv = [cfg.python, "-m", "belayer_engine.arena", "--socket", str(slot.socket), "--device", slot.device]
+        argv = [cfg.python, "-m", self.backend.arena_module, "--socket", str(slot.socket), "--device", slot.device]
         if cfg.model:
             argv += ["--model-dir", cfg.model]
         argv += self.backend.arena_argv(self.spec(slot)) + cfg.arena_args

@@ -28,15 +28,15 @@ from pathlib import Path
 import aiohttp
 
 from belayer_core.errors import WorkerLost
-from belayer_engine import worker_auth
-from belayer_engine.routing import Endpoint, RoutingTable
+from belayer_engine.common import worker_auth
+from belayer_engine.common.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
+from belayer_engine.supervisor.fork_template import template_supported
 from belayer_engine.supervisor.handover import Handover
-from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully, template_supported
+from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully
 from belayer_engine.supervisor.run_dir import private_run_dir, temp_run_dir
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
-from belayer_engine.supervisor.weight_sync import WeightSync
-from belayer_engine.supervisor.weights import RetainedWeights
+from belayer_engine.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,12 @@ __all__ = ["Supervisor", "private_run_dir"]
 _REARM_DELAY_S = 0.02  # a new shadow is spawned this long after a handover (off the critical path)
 
 
-class Supervisor(Handover, WeightSync):
+class Supervisor(Handover):
     """Owns the processes of every slot; feeds the router's ``RoutingTable``.
 
     Its roles live in three modules: this one (lifecycle, views, spawning, detection),
-    ``handover.py`` (every recovery decision) and ``weight_sync.py`` (engine-wide weights).
+    ``handover.py`` (every recovery decision); engine-wide weights are ``weights.sync.WeightSync``,
+    held here as ``weight_sync``.
     """
 
     def __init__(self, config: SupervisorConfig, table: RoutingTable, worker_secret: str | None = None) -> None:
@@ -64,11 +65,30 @@ class Supervisor(Handover, WeightSync):
         self._procs: SlotProcesses | None = None
         self._tasks: set[asyncio.Task] = set()
         self._reaps: set[asyncio.Task] = set()  # background reaps of killed workers (isolated_kv)
-        self.weights = RetainedWeights()  # re-applied to a slot whose arena starts from scratch
-        self._weights_lock = asyncio.Lock()  # one update at a time; a cold restart waits for it
-        self._layout: tuple[dict[str, list[int]], str] | None = None  # served names/shapes, dtype
+        self.weight_sync = WeightSync(lambda: self.slots, config.start_timeout_s, self._restart_for_weights,
+                                      self._start_arena, self._event)
         self._changed = asyncio.Condition()
         self._stopping = False
+
+    # ------------------------------------------------------------------ weights (weight_sync)
+
+    @property
+    def weights(self):
+        """The engine-wide version and the kept updates (``weights.retained.RetainedWeights``)."""
+        return self.weight_sync.weights
+
+    async def update_weights(self, state_dict, version: int | None = None) -> int:
+        return await self.weight_sync.update_weights(state_dict, version=version)
+
+    async def weight_layout(self) -> tuple[dict[str, list[int]], str]:
+        return await self.weight_sync.weight_layout()
+
+    async def _restart_for_weights(self, slot: Slot, reason: str) -> None:
+        """Out of service now; cold restart (re-applies the kept weights) in the background."""
+        await self.table.mark_down(slot.name, reason)
+        arena = slot.arena
+        if arena is not None:
+            self._spawn_task(self._handle_arena_failure(slot, arena, reason))
 
     # ------------------------------------------------------------------ lifecycle
 

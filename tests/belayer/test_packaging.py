@@ -1,6 +1,6 @@
-"""An install holds ``belayer.wrappers`` / ``belayer.examples``, never top-level ``wrappers`` /
-``examples`` (generic names that would collide with other projects' in site-packages); a
-checkout imports the same names."""
+"""An install holds ``belayer.wrappers`` / ``belayer.examples`` (folders of the ``belayer``
+package, never generic top-level names that would collide in site-packages); a checkout
+imports the same names from the same folders, with no import hook."""
 
 from __future__ import annotations
 
@@ -44,8 +44,16 @@ def test_a_non_editable_install_ships_wrappers_and_examples_inside_belayer(tmp_p
     assert module == "belayer.wrappers.chat_history"
 
 
+def test_belayer_installs_no_import_hook() -> None:
+    """A reader follows ``belayer.wrappers`` to ``belayer/wrappers/``: no finder of ours."""
+    out = subprocess.run([sys.executable, "-c", "import sys; n = len(sys.meta_path); import belayer.wrappers, "
+                          "belayer.examples; print(len(sys.meta_path) - n)"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "0"
+
+
 def test_a_checkout_imports_the_same_names_from_its_folders(tmp_path):
     chat, config, module = _python(IMPORTS, cwd=tmp_path, path=REPO)
-    assert chat == str(REPO / "wrappers" / "chat_history.py")
-    assert config == str(REPO / "examples" / "swe_rl" / "config.py")
+    assert chat == str(REPO / "belayer" / "wrappers" / "chat_history.py")
+    assert config == str(REPO / "belayer" / "examples" / "swe_rl" / "config.py")
     assert module == "belayer.wrappers.chat_history"

@@ -84,9 +84,10 @@ class Proc:
 
 
 class Arena(Proc):
-    def __init__(self, tmp: Path, *extra: str, env: dict | None = None):
+    def __init__(self, tmp: Path, *extra: str, env: dict | None = None, module: str = "belayer_engine.arena"):
+        """``module``: the arena program (``belayer_engine.backends.sglang.arena`` adds SGLang's exports)."""
         self.socket = str(tmp / "arena.sock")
-        super().__init__(["-m", "belayer_engine.arena", "--socket", self.socket, *extra],
+        super().__init__(["-m", module, "--socket", self.socket, *extra],
                          tmp / "arena.log", env)
         from belayer_engine.arena.client import ArenaClient
 

@@ -124,11 +124,14 @@ def _fetch_weight_cache(path: str) -> dict[str, torch.Tensor]:
     return {k: pickle.load(io.BytesIO(base64.b64decode(e["handle"]))) for k, e in reply["entries"].items()}
 
 
+SGLANG_ARENA = "belayer_engine.backends.sglang.arena"  # the arena with SGLang's weight cache plugged in
+
+
 def test_an_sglang_only_arena_holds_the_weights_once(tmp_path, procs):
     """--no-reference-slots: no weight slots, no KV region; the SGLang layout is the only
     copy, updates land in it in place under a new version, reference workers are refused."""
     wsock = str(tmp_path / "wcache.sock")
-    arena = Arena(tmp_path, "--weight-cache-socket", wsock, "--no-reference-slots")
+    arena = Arena(tmp_path, "--weight-cache-socket", wsock, "--no-reference-slots", module=SGLANG_ARENA)
     procs.append(arena)
     c = arena.client
     d = c.describe()
@@ -163,7 +166,11 @@ def test_an_arena_without_any_weights_is_refused(tmp_path):
 
     out = subprocess.run([sys.executable, "-m", "belayer_engine.arena", "--socket", str(tmp_path / "a.sock"),
                           "--no-reference-slots"], capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "needs weight_cache_socket" in out.stderr
+    assert out.returncode != 0 and "would hold no weights" in out.stderr
+    plain = subprocess.run([sys.executable, "-m", "belayer_engine.arena", "--socket", str(tmp_path / "b.sock"),
+                            "--weight-cache-socket", str(tmp_path / "w.sock")], capture_output=True, text=True,
+                           timeout=120)
+    assert plain.returncode == 2 and "unrecognized arguments: --weight-cache-socket" in plain.stderr
 
 
 def test_the_cuda_stack_limit_is_an_arena_option_and_a_no_op_on_cpu():

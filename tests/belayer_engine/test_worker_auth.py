@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import string
 
-from belayer_engine import worker_auth
+from belayer_engine.common import worker_auth
 
 
 def test_secrets_never_look_like_an_option_and_are_header_safe():

@@ -11,7 +11,7 @@ import aiohttp
 
 from belayer_core.errors import WorkerLost
 from belayer_engine.backends.base import SlotSpec, WorkerSpec
-from belayer_engine.supervisor.processes import http_status
+from belayer_engine.common.net import http_status
 
 
 class ReferenceBackend:
@@ -19,6 +19,7 @@ class ReferenceBackend:
 
     name = "reference"
     isolated_kv = False  # KV blocks live in the arena: promote only after the reap
+    arena_module = "belayer_engine.arena"
     template_module = "belayer_engine.backends.reference.worker"
     """Kept imported by the supervisor's ``ForkTemplate``: a new shadow is a clone of it, not
     a fresh interpreter importing torch (the worker module's ``main(argv)`` runs in the clone)."""

@@ -22,12 +22,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from belayer_core.errors import ArenaLost, BelayerError, UsageError
-from belayer_engine import owner, worker_auth
 from belayer_engine.backends.reference.config import FLAGS, WorkerConfig, add_flags
 from belayer_engine.backends.reference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from belayer_engine.backends.reference.scheduler import Request
 from belayer_engine.backends.reference.state import WorkerState
-from belayer_engine.json_body import parse_json_object
+from belayer_engine.common import owner, worker_auth
+from belayer_engine.common.json_body import parse_json_object
 
 
 class GenerateRequest(BaseModel):

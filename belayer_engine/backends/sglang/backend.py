@@ -52,6 +52,7 @@ class SGLangBackend:
 
     name = "sglang"
     isolated_kv = True  # each server owns its KV; weights are read-only to it
+    arena_module = "belayer_engine.backends.sglang.arena"  # the arena with SGLang's weight cache
 
     def __init__(self, model: str | None, extra_args: list[str] | None = None, venv: str | None = None,
                  device: str = "cpu", shadow_memory_saver: bool | None = None,
@@ -162,7 +163,7 @@ class SGLangBackend:
                 raise WorkerLost(f"{url} warm-up failed: {exc!r}") from exc
 
     async def ready(self, session, url: str, shadow: bool) -> bool:
-        from belayer_engine.supervisor.processes import http_status
+        from belayer_engine.common.net import http_status
 
         if (await http_status(session, url + "/health"))[0] != 200:
             return False
@@ -224,7 +225,7 @@ class SGLangBackend:
     async def healthy(self, session, url: str, timeout: float) -> bool:
         import aiohttp
 
-        from belayer_engine.supervisor.processes import http_status
+        from belayer_engine.common.net import http_status
 
         try:
             return (await http_status(session, url + "/health", timeout))[0] == 200

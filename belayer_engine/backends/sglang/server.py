@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 
-from belayer_engine import worker_auth
+from belayer_engine.common import worker_auth
 
 from .launcher import SGLangServerConfig, server_argv, server_env
 

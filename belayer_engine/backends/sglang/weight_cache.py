@@ -1,6 +1,6 @@
 """SGLang's weight-cache protocol, served by the arena: SGLang servers map its weights.
 
-The arena (``--weight-cache-socket PATH``) keeps the model once more in SGLang's layout
+The arena (``arena.py``: ``--weight-cache-socket PATH``; this is one of its exports) keeps the model once more in SGLang's layout
 (``layout.py``), in shared memory (CPU: POSIX shared memory through torch's
 ``file_system`` sharing strategy; GPU: CUDA IPC), and answers SGLang's own weight-cache
 protocol on a Unix socket (mode 0600, same-uid peers only; ``srt/weight_cache/``):
@@ -10,7 +10,7 @@ each handle a base64 ForkingPickler-reduced tensor. SGLang servers started with
 ``--weight-cache-mode client --weight-cache-socket`` build their model on the meta device
 and map these tensors: a worker and its shadow hold no copy of the weights.
 
-Servers that map the weights are registered (``register`` op of the arena). A weight
+Servers that map the weights are registered (the arena's ``register_server`` op). A weight
 update then never mixes versions within a step: every registered server is paused with
 ``mode=retract`` (running requests go back to its queue, their KV is dropped), the
 tensors are overwritten in place, each server's cache is flushed and its
@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from belayer_core.errors import UsageError, WorkerLost
+from belayer_engine.arena import memory as mem
+from belayer_engine.arena import protocol as proto
 from belayer_engine.model.config import ModelConfig
 
 from .layout import SGLangWeights
@@ -89,7 +91,10 @@ def _handle(t: torch.Tensor) -> str:
 
 class WeightCacheExport:
     """SGLang-layout weights in shared memory, the socket that hands them out, and the
-    registered servers that map them."""
+    registered servers that map them (an ``arena.exports.ArenaExport``)."""
+
+    name = "weight_cache"
+    holds_weights = True
 
     def __init__(self, model: ModelConfig, weights: dict[str, torch.Tensor], socket_path: str,
                  device: torch.device, http_timeout_s: float = 30.0):
@@ -133,8 +138,6 @@ class WeightCacheExport:
                                "preloaded_weights_bytes": 0})
 
     def start(self) -> None:
-        from belayer_engine.arena import protocol as proto
-
         export = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -156,6 +159,22 @@ class WeightCacheExport:
         os.chmod(self.socket_path, 0o600)
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                          name="sglang-weight-cache", daemon=True).start()
+
+    def checksum(self) -> str:
+        return mem.checksum(self.weights.flat.view(-1).view(torch.uint8))
+
+    def check_weights(self, tensors) -> None:
+        self.weights.check(tensors)
+
+    def ops(self) -> dict:
+        return {"register_server": self._register_op, "weight_cache": lambda _msg, _version: self.describe()}
+
+    def _register_op(self, msg: dict, version: int) -> dict:
+        """An SGLang server mapping the weights: synced to the arena's version now, paused and
+        synced on every later update."""
+        self.register(str(msg["url"]), str(msg.get("role", "worker")), int(msg.get("pid", 0)), version,
+                      msg.get("authorization"))
+        return {"version": version}
 
     def close(self) -> None:
         if self._server is not None:
@@ -203,7 +222,7 @@ class WeightCacheExport:
             self.servers[url] = {"role": role, "pid": pid}
             self.version = version
 
-    def update(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Write HF-named ``tensors`` in place as ``version`` into every registered server."""
         self.weights.check(tensors)
         with self.lock:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from belayer_engine.engine import RecoverableEngine
-from belayer_engine.supervisor.processes import ForkTemplate, fence, template_supported
+from belayer_engine.supervisor.fork_template import ForkTemplate, template_supported
+from belayer_engine.supervisor.processes import fence
 from tests.belayer_engine.conftest import poll
 from tests.belayer_engine.test_chaos import PROMPTS, fault_free, run_round
 from tests.conftest import process_alive

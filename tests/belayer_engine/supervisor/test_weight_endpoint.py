@@ -24,8 +24,8 @@ from belayer_engine.arena.client import ArenaClient
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights
-from belayer_engine.weights_client import EngineWeights
-from belayer_engine.weights_wire import ROUTE
+from belayer_engine.weights.client import EngineWeights
+from belayer_engine.weights.wire import ROUTE
 from tests.belayer_engine.supervisor.greedy import PROMPTS, answers, assert_serves, direct
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import sys
 
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights
-from belayer_engine.weights_client import EngineWeights
+from belayer_engine.weights.client import EngineWeights
 
 
 def main(socket_path: str, seed: int) -> None:

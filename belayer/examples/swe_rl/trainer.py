@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import torch
 
-from belayer_engine.weights_client import EngineWeights
+from belayer_engine.weights.client import EngineWeights
 
 from . import learner_ckpt
 from .agent import make_env, run_episode

@@ -14,8 +14,8 @@ import socket
 from collections.abc import Mapping
 
 from belayer_core import errors
-from belayer_engine import weights_wire
-from belayer_engine.weights_wire import ROUTE
+from belayer_engine.weights import wire as weights_wire
+from belayer_engine.weights.wire import ROUTE
 
 
 class _UnixConnection(http.client.HTTPConnection):

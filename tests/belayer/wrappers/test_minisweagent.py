@@ -61,7 +61,7 @@ def test_execute_template_vars_serialize(msw_env, monkeypatch):
 def test_submit_returns_output_or_raises_submitted(msw_env):
     """v1's ``execute(command: str)`` returns the submission's output; v2's dict action raises
     mini-swe-agent's ``Submitted`` where it is installed (set-up installs it: its venv is on
-    the path, tests/wrappers/conftest.py), else returns the output too."""
+    the path, tests/belayer/wrappers/conftest.py), else returns the output too."""
     from belayer.wrappers import minisweagent
 
     submit = "printf 'COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\\npatch'"

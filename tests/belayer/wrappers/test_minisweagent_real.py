@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from tests.wrappers.extra_deps import add_minisweagent_venv
+from tests.belayer.wrappers.extra_deps import add_minisweagent_venv
 
 MISSING = add_minisweagent_venv()  # None when mini-swe-agent imports
 

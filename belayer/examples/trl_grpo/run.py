@@ -137,7 +137,7 @@ def run(cfg: RunConfig, log=print) -> dict:
     from belayer_engine.model.config import ModelConfig
     from belayer_engine.model.weights import weight_specs
     from belayer_engine.router.codec import load_codec
-    from belayer_engine.weights_client import EngineWeights
+    from belayer_engine.weights.client import EngineWeights
 
     t_start = time.monotonic()
     torch.manual_seed(cfg.seed)

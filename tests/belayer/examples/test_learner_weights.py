@@ -18,7 +18,7 @@ from tests.belayer_engine.supervisor.greedy import PROMPTS, answers, direct
 LEARNER = """
 import sys, torch
 from belayer.examples.swe_rl.learner import Learner
-from belayer_engine.weights_client import EngineWeights
+from belayer_engine.weights.client import EngineWeights
 learner = Learner()
 with torch.no_grad():  # stands in for a GRPO step: the pushed weights differ from the arena's
     emb = learner.model.w("model.embed_tokens.weight")

@@ -25,10 +25,10 @@ from pathlib import Path
 from aiohttp import web
 
 from belayer_core.errors import BelayerError, InfraError, StaleWeightVersion, UsageError
-from belayer_engine import weights_wire
 from belayer_engine.arena import protocol as proto
-from belayer_engine.supervisor import Supervisor
-from belayer_engine.weights_wire import ROUTE
+from belayer_engine.weights import wire as weights_wire
+from belayer_engine.weights.sync import WeightSync
+from belayer_engine.weights.wire import ROUTE
 
 _READ_CHUNK = 1 << 20
 
@@ -65,10 +65,10 @@ def _status(exc: BelayerError) -> int:
 
 
 class WeightsEndpoint:
-    """Serves ``ROUTE`` on ``path`` for ``supervisor`` (on the engine's loop)."""
+    """Serves ``ROUTE`` on ``path`` for the engine's ``WeightSync`` (on the engine's loop)."""
 
-    def __init__(self, supervisor: Supervisor, path: Path) -> None:
-        self.supervisor = supervisor
+    def __init__(self, sync: WeightSync, path: Path) -> None:
+        self.sync = sync
         self.path = path
         self._runner: web.AppRunner | None = None
 
@@ -96,13 +96,13 @@ class WeightsEndpoint:
             return _error(_status(exc), exc)
 
     async def _get(self, request: web.Request) -> web.Response:
-        weights = self.supervisor.weights
+        weights = self.sync.weights
         return web.json_response({"version": weights.version, "names": len(weights.snapshot()[0]),
                                   "kept_nbytes": weights.nbytes})
 
     async def _post(self, request: web.Request) -> web.Response:
         version = _version(request.query)
-        layout, dtype = await self.supervisor.weight_layout()
+        layout, dtype = await self.sync.weight_layout()
         body = request.content
         try:
             specs = weights_wire.parse_header(
@@ -113,7 +113,7 @@ class WeightsEndpoint:
         if await body.read(1):
             raise UsageError("weights body has bytes after its last tensor")
         # shielded: a learner that disconnects now must not cut an update that slots are taking
-        applied = await asyncio.shield(self.supervisor.update_weights(tensors, version=version))
+        applied = await asyncio.shield(self.sync.update_weights(tensors, version=version))
         return web.json_response({"version": applied, "names": len(tensors)})
 
 

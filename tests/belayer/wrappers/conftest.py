@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.belayer.wrappers.extra_deps import add_minisweagent_venv
 from tests.belayer_env.conftest_env import containers_of, make_env  # noqa: F401
-from tests.wrappers.extra_deps import add_minisweagent_venv
 
 # before any test module here imports belayer.wrappers.minisweagent: the adapter takes
 # mini-swe-agent's exception classes as its bases at import when mini-swe-agent is there

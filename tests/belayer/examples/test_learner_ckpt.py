@@ -22,7 +22,7 @@ import hashlib, sys, threading, torch
 from belayer.examples.swe_rl.config import LearnerConfig
 from belayer.examples.swe_rl.learner import Learner
 from belayer.examples.swe_rl.learner_ckpt import LearnerCheckpointConfig, LearnerCheckpointer
-from tests.examples.test_learner_ckpt import digest
+from tests.belayer.examples.test_learner_ckpt import digest
 
 directory, kill_at = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
