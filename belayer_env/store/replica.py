@@ -153,7 +153,8 @@ class ReplicaLocation:
     # ------------------------------------------------------------------ reading
 
     def list(self, sandbox: str | None = None) -> list[Replica]:
-        """Committed replicas, oldest first (by sandbox, step, creation time)."""
+        """Committed replicas, oldest first (by sandbox, step, creation time); a marker that
+        is not one of ours (unsigned, foreign, or under a name not its own) is left out."""
         out = []
         sandboxes = [sandbox] if sandbox else [p.rsplit("/", 1)[-1] for p in self._ls(self.root) if self.fs.isdir(p)]
         for sb in sandboxes:
@@ -273,7 +274,8 @@ class ReplicaLocation:
         return f"{self.root}/{sandbox}/{checkpoint_id}{MARKER_SUFFIX}"
 
     def _read_marker(self, path: str) -> Replica:
-        """A marker this cluster signed, naming plain names; ``ValueError`` otherwise."""
+        """A marker this cluster signed, naming plain names, at the place its id and sandbox
+        give (``<sandbox>/<id>.ready.json``); ``ValueError`` otherwise."""
         data = json.loads(self.fs.cat_file(path))
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a belayer replica marker (format {FORMAT})")
@@ -285,6 +287,11 @@ class ReplicaLocation:
         rep = Replica(**data)
         if sandbox_of(rep.id) != check_plain("sandbox name", rep.sandbox):
             raise ValueError(f"{path}: checkpoint {rep.id!r} is not of sandbox {rep.sandbox!r}")
+        # the signature covers id and sandbox, and they must name this very file: a marker
+        # copied to another name (no key needed) answers for nothing
+        if path.rsplit("/", 2)[-2:] != [rep.sandbox, f"{rep.id}{MARKER_SUFFIX}"]:
+            raise ValueError(f"{path} is the marker of {rep.id!r} of sandbox {rep.sandbox!r}, copied to another "
+                             "name: refused")
         return rep
 
     def __repr__(self) -> str:

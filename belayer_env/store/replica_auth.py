@@ -11,6 +11,7 @@ is ``ReplicaLocation(key_file=...)`` or ``$BELAYER_REPLICA_KEY_FILE``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -24,6 +25,7 @@ from belayer_core.errors import ConfigError
 
 KEY_ENV = "BELAYER_REPLICA_KEY_FILE"
 MIN_KEY_BYTES = 32
+MAX_KEY_FILE_BYTES = 4096
 MAC_FIELD = "hmac"
 
 
@@ -55,18 +57,27 @@ class ReplicaKey:
                 "of the cluster shares (make one: python3 -c 'from belayer_env.store.replica_auth import "
                 "new_key; new_key(\"PATH\")')")
         path = Path(raw_path)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # O_NONBLOCK: a FIFO (or a device) put where the key belongs opens at once, to be refused
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ConfigError(f"replica key {path} is a symlink: refused (name the key file itself)") from e
+            if e.errno == errno.ENXIO:
+                raise ConfigError(f"replica key {path} is not a regular file (a socket): refused") from e
             raise ConfigError(f"replica key {path}: {e.strerror}") from e
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        try:
+            st = os.fstat(fd)  # of what was opened: nothing swapped in between
             if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"replica key {path} is not a regular file")
+                raise ConfigError(f"replica key {path} is not a regular file ({_kind(st.st_mode)}): refused")
             if st.st_uid != os.geteuid() or st.st_mode & 0o077:
                 raise ConfigError(f"replica key {path} must be owned by this user and private (mode 0600), "
                                   f"is uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):04o}")
-            secret = f.read().strip()
+            if st.st_size > MAX_KEY_FILE_BYTES:
+                raise ConfigError(f"replica key {path} holds {st.st_size} bytes, more than a key file's "
+                                  f"{MAX_KEY_FILE_BYTES}: refused")
+            secret = _read_at_most(fd, MAX_KEY_FILE_BYTES).strip()
+        finally:
+            os.close(fd)
         return cls(secret)
 
     def sign(self, fields: dict[str, Any]) -> str:
@@ -78,3 +89,19 @@ class ReplicaKey:
 
 def _canonical(fields: dict[str, Any]) -> bytes:
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks, left = [], limit
+    while left > 0 and (chunk := os.read(fd, left)):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return f"file type {stat.S_IFMT(mode):o}"

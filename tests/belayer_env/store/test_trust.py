@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -99,6 +101,53 @@ def test_a_marker_naming_a_path_as_its_sandbox_is_a_clear_refusal(tmp_path):
     marker_path.write_text(json.dumps(marker))
     with pytest.raises(CheckpointNotFound, match="not a plain name"):
         loc.fetch(rep.id, CheckpointStore(tmp_path / "node-b", scratch=tmp_path / "scratch"))
+
+
+@pytest.mark.parametrize("planted", ["sbA.000008.eeee", "{b}"], ids=["another-id", "same-id-another-sandbox"])
+def test_a_marker_copied_under_another_name_answers_for_nothing(tmp_path, planted):
+    """Issue 47, item 5: copying B's signed marker into A's place (no key needed) must not
+    make A's name fetch, list or prune B's checkpoint."""
+    loc = ReplicaLocation((tmp_path / "shared").as_uri())
+    rep_a = loc.upload(_checkpoint_dir(tmp_path / "node-a", "sbA", 1), episode={"task": "A's"})
+    rep_b = loc.upload(_checkpoint_dir(tmp_path / "node-a", "sbB", 1), episode={"task": "B's"})
+    planted = planted.format(b=rep_b.id)
+    root = Path(loc.root)
+    shutil.copy(root / "sbB" / f"{rep_b.id}{MARKER_SUFFIX}", root / "sbA" / f"{planted}{MARKER_SUFFIX}")
+    store = CheckpointStore(tmp_path / "node-b", scratch=tmp_path / "scratch")
+    if planted != rep_b.id:  # a name of its own: asking for it is refused, naming the mismatch
+        with pytest.raises(CheckpointNotFound, match="marker of"):
+            loc.fetch(planted, store)
+        with pytest.raises(CheckpointNotFound, match="marker of"):
+            loc.episode(planted)
+        assert store.list() == []
+    assert [r.id for r in loc.list("sbA")] == [rep_a.id]
+    assert sorted(r.id for r in loc.list()) == sorted([rep_a.id, rep_b.id])
+    assert loc.remove_sandbox("sbA", keep=rep_a.id) == []  # a resumed A prunes only A's replicas
+    assert [r.id for r in loc.list("sbB")] == [rep_b.id]
+    assert loc.episode(rep_b.id) == {"task": "B's"} and loc.fetch(rep_b.id, store).sandbox == "sbB"
+
+
+def test_a_replica_key_that_is_a_fifo_is_refused_at_once(tmp_path):
+    """Issue 47, item 8: a key path that is a FIFO blocked ``ReplicaLocation`` forever."""
+    fifo = tmp_path / "replica.key"
+    os.mkfifo(fifo, 0o600)
+    outcome: dict[str, BaseException] = {}
+
+    def load() -> None:
+        try:
+            ReplicaLocation((tmp_path / "shared").as_uri(), key_file=fifo)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = e
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(60)  # a bound for a hang, not a wait for something: the refusal needs no I/O
+    if loader.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # release it: the writer opens and closes
+        loader.join(60)
+        pytest.fail("loading a replica key that is a FIFO blocked (until a writer came)")
+    assert isinstance(outcome.get("error"), ConfigError), outcome
+    assert "not a regular file (a FIFO)" in str(outcome["error"]) and str(fifo) in str(outcome["error"])
 
 
 def test_replica_keys_must_be_private_and_given(tmp_path, monkeypatch):
