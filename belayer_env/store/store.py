@@ -83,10 +83,11 @@ class CheckpointStore:
     the sandbox is frozen. ``create=False`` opens an existing store and creates nothing (a
     missing one is a ``UsageError``): what read-only commands use.
 
-    The store and its scratch root must be this user's and writable by no one else
-    (``private_dir``: ``ConfigError`` otherwise): whoever writes a store decides what a
-    restore starts. Checkpoint and sandbox directories that are symlinks, or whose manifest
-    names another checkpoint, are not checkpoints.
+    The store and its scratch root must be this user's and writable by no one else, below
+    directories that only root or this user can change (``private_dir``: ``ConfigError``
+    naming the directory otherwise): whoever writes a store decides what a restore starts.
+    Checkpoint and sandbox directories that are symlinks, or whose manifest names another
+    checkpoint, are not checkpoints.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, keep: int | None = 3,
@@ -112,9 +113,9 @@ class CheckpointStore:
             ensure_private_dir(self.path / sub, "checkpoint store directory")
         if base is not None:
             ensure_shared_base(base, "scratch directory")
+        ensure_private_dir(self.scratch_root, "scratch directory")
         if base is not None and base == DEFAULT_SCRATCH:
             scratch_space.prepare(self.scratch_root)  # its own large-folio tmpfs where it can
-        ensure_private_dir(self.scratch_root, "scratch directory")
 
     # ------------------------------------------------------------------ writing
 
@@ -155,12 +156,18 @@ class CheckpointStore:
     @contextlib.contextmanager
     def lock(self, sandbox: str) -> Iterator[None]:
         """One checkpoint of a sandbox at a time (across processes; released on death)."""
-        with open(self.path / LOCKS / f"{sandbox}.lock", "a") as f:
+        if not is_plain(sandbox):
+            raise UsageError(f"invalid sandbox name {sandbox!r}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(self.path / LOCKS / f"{sandbox}.lock", flags, 0o600)
+        try:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as e:
                 raise CheckpointFailed(f"another checkpoint of sandbox {sandbox} is in progress") from e
             yield
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ reading
 
