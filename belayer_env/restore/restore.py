@@ -1,6 +1,7 @@
 """``full_restore``: a fresh container at a checkpoint's boundary (layer + CRIU runtime).
 
-Order: read the manifest -> claim a copy pre-staged against exactly this manifest
+The request is checked and what it restores from and into is chosen first (``plan.py``);
+this module carries the plan out (``_Restoring``). Order: read the manifest -> claim a copy pre-staged against exactly this manifest
 (``prestaging``: unpacked + verified ahead of time) or else, on two threads, unpack the
 layer and link/copy the CRIU images onto Docker's disk, checking every byte against the
 manifest -> only once every artifact is verified, fence every container of that sandbox
@@ -31,53 +32,47 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import docker
 
-from belayer_core.errors import BelayerError, RestoreFailed, UsageError
+from belayer_core.errors import BelayerError, RestoreFailed
 from belayer_env.background import Background
 from belayer_env.criu import runtime
 from belayer_env.host import loopback
-from belayer_env.phases import Phase, PhaseHook, no_hook
+from belayer_env.phases import Phase, PhaseHook
 from belayer_env.restore import ctrd_copies, prestaging
-from belayer_env.restore.cleanup import (
-    clean_later,
-    discard_later,
-    discard_now,
+from belayer_env.restore.cleanup import clean_later, discard_later, discard_now
+from belayer_env.restore.containers import (
+    attach_precreated,
+    create,
+    fence_all_but,
+    fence_nothing,
+    fit_spare,
 )
+from belayer_env.restore.plan import DEFAULT_IMAGES, Images, RestorePlan, RestoreRequest, plan
+from belayer_env.restore.spare import RestoreSpare, Slot
 from belayer_env.restore.staged import (
     RESTORE_NAME,
-    Staged,
     in_memory_links,
-    install_images,
     point_checkpoints_at,
     remove_links,
     short_error,
-    unpack_layer,
     unpoint,
 )
-from belayer_env.restore.trust import check_bounded
-from belayer_env.sandbox import disk, fence, writeback
+from belayer_env.sandbox import fence, writeback
 from belayer_env.sandbox.config import SandboxConfig
-from belayer_env.sandbox.container import DockerSandbox, create_container
-from belayer_env.sandbox.docker_api import connect, translate_errors
+from belayer_env.sandbox.container import DockerSandbox
+from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.fence import remove, remove_quietly
-from belayer_env.sandbox.ownership import SANDBOX_NAME
 from belayer_env.store import layer, shared_layer
-from belayer_env.store.manifest import Checkpoint, read_manifest_digest
+from belayer_env.store.manifest import Checkpoint
 
-if TYPE_CHECKING:
-    from belayer_env.restore.spare import RestoreSpare, Slot
+__all__ = ["DEFAULT_IMAGES", "Images", "RestoreRequest", "full_restore", "run_restore"]
 
 RUNNING_TIMEOUT_S = 30.0
-Images = Literal["linked", "copied"]
-DEFAULT_IMAGES: str = os.environ.get("BELAYER_RESTORE_IMAGES", "linked")
-"""Chosen by measurement (benchmarks/checkpoint_bench.py, docs/restore.md)."""
 
 
 def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client: docker.DockerClient | None = None,
@@ -111,235 +106,190 @@ def full_restore(checkpoint: Checkpoint, *, allow_degraded: bool = False, client
     Everything checkable is checked before the live sandbox of that name is fenced: the
     manifest, the settings, every artifact's bytes, and that Docker creates the container.
     """
-    via = images or DEFAULT_IMAGES
-    if via not in get_args(Images):
-        raise UsageError(f"images must be one of {get_args(Images)}, got {via!r} (BELAYER_RESTORE_IMAGES?)")
-    hook = phase_hook or no_hook
-    ck = checkpoint
-    target = name or ck.sandbox
-    if precreated is not None and (shared is None or precreated.target != target or not precreated.alias):
-        raise UsageError("a pooled container serves a shared fork, under the name it was created for")
-    if spare is not None and shared is not None:
-        raise UsageError("a restore spare serves a restore with a layer of its own, not a shared fork")
-    try:
-        data, digest = read_manifest_digest(Path(ck.path))
-    except ValueError as e:
-        raise RestoreFailed(f"checkpoint {ck.id} is incomplete: {e}", checkpoint=ck.id) from e
-    if not ck.has_runtime and not allow_degraded:
-        raise RestoreFailed(f"checkpoint {ck.id} holds no runtime state; a file-system-only restore "
-                            "needs allow_degraded=True", checkpoint=ck.id)
-    if data.get("network_disabled") and not loopback.installed():  # before anything touches the sandbox
-        raise RestoreFailed(f"checkpoint {ck.id} was taken of a sandbox without Docker's network stack and "
-                            f"this host lacks the CRIU loopback hook that restores need ({loopback.HOOK_PATH} "
-                            f"listed in {loopback.RUNC_CRIU_CONF}): run `bash scripts/setup.sh`", checkpoint=ck.id)
-    client = client or connect((config or SandboxConfig()).docker_host)  # never the manifest's daemon
-    check_bounded(client, ck, data, config)
-    tmp = prestaging.docker_tmp(client)
-    prestaging.clean_dead_staging(tmp)
-    staged = prestaging.claim(client, ck, digest) if ck.has_runtime and use_staged and shared is None else None
-    layer_image: Path | None = None
-    if staged is not None:  # pre-staged and verified against this very manifest
-        hook(Phase.STAGED)
-        if (staged / prestaging.LAYER_IMAGE).is_file() and ck.config.disk_bytes is not None:
-            layer_image = staged / prestaging.LAYER_IMAGE  # the new layer's file system, filled
-            fs: Staged | None = None
-        else:
-            fs = Staged.ready(ck, "file-system layer", staged / "layer")
-        runtime_images: Staged | None = Staged.ready(ck, "runtime images", staged / "images")
-    else:
-        # unpack + verify both artifacts on Docker's disk (a capped layer: in memory where it
-        # fits), side by side; each is then moved into place with one rename, or copied into
-        # a capped file system (the layer: not at all when it is a shared lower layer)
-        fs = None if shared is not None else Staged(ck, "file-system layer", tmp, lambda d: unpack_layer(ck, data, d))
-        runtime_images = (None if not ck.has_runtime else
-                          Staged.borrowed(ck, "runtime images", verified_images) if verified_images is not None else
-                          Staged(ck, "runtime images", tmp, lambda d: install_images(ck, data, d)))
-    cid, fenced, degraded = None, [], not ck.has_runtime
-    images_dir: Path | None = None
-    pointed: Path | None = None  # the container's checkpoints directory, a symlink for the start
-    nonce: str | None = None  # names containerd's copy of the images once the start has run
-    layer_fs: Path | None = None  # where this restore wrote the layer (not a pre-made file system)
-    try:
-        for part in (fs, runtime_images) if shared is None or target == ck.sandbox else ():
-            if part is not None:
-                part.verified()  # before anything touches the sandbox of that name (a fork's is new)
-        # the old containers are listed and die while the new one is created and filled under
-        # a name of its own (labelled as ``target``: found by the fence from then on, so the
-        # listing, which runs alongside the create, leaves out only that name); it takes the
-        # sandbox's name, and starts, only once every one of them is dead
-        new_name = f"{target}-restoring-{uuid.uuid4().hex[:8]}"
+    return run_restore(RestoreRequest(
+        checkpoint, allow_degraded=allow_degraded, client=client, phase_hook=phase_hook, name=name,
+        use_staged=use_staged, images=images, shared=shared, verified_images=verified_images,
+        fence_first=fence_first, precreated=precreated, spare=spare, config=config))
+
+
+def run_restore(request: RestoreRequest) -> DockerSandbox:
+    """``full_restore`` of one request: its plan (``plan.plan``: checked, the unpacks begun),
+    then the doing."""
+    return _Restoring(plan(request)).run()
+
+
+class _Restoring:
+    """The doing of one plan: verify, create and fence side by side, install the layer and
+    the images, take the name, start, check. What it made is removed if it fails."""
+
+    def __init__(self, plan: RestorePlan):
+        self.plan = plan
+        self.cid: str | None = None
+        self.info: dict = {}  # Docker's inspect of the new container
+        self.fenced: list[str] = []  # the old containers, killed
+        self.degraded = not plan.ck.has_runtime
+        self.linking: Background | None = None  # the linked images directory, being made
+        self.images_dir: Path | None = None
+        self.pointed: Path | None = None  # the container's checkpoints directory, a symlink for the start
+        self.nonce: str | None = None  # names containerd's copy of the images once the start has run
+        self.layer_fs: Path | None = None  # where this restore wrote the layer (not a pre-made file system)
+        self.layer_ns = 0  # when the whole layer was in place, before anything of the container ran
+
+    def run(self) -> DockerSandbox:
+        p, ck = self.plan, self.plan.ck
+        succeeded = False
+        try:
+            self._verify_first()
+            self._install()
+            with translate_errors(f"name restored sandbox {p.target}"):
+                p.client.api.rename(self.cid, p.target)
+            self._start()
+            p.hook(Phase.STARTED)
+            _wait_running(p.client, self.cid, ck,
+                          loopback_hook=bool(p.data.get("network_disabled")) and not self.degraded)
+            fence.wait_not_running(p.client, self.fenced, p.target)  # long true in Docker's view too, by now
+            p.hook(Phase.VERIFIED)
+            succeeded = True
+        except Exception as e:
+            if self.cid is not None:
+                remove_quietly(p.client, self.cid)
+            if isinstance(e, RestoreFailed):
+                raise
+            if isinstance(e, layer.LayerError):
+                raise RestoreFailed(f"checkpoint {ck.id}: file-system layer unusable: {e}", checkpoint=ck.id) from e
+            raise RestoreFailed(f"restore of checkpoint {ck.id} failed: {short_error(e)}", checkpoint=ck.id) from e
+        finally:
+            self._clean_up(succeeded)
+        sandbox = DockerSandbox.attach(self.cid, ck.config, p.target, p.client)
+        sandbox.restored_from = ck.id
+        # its upperdir holds only its own writes under a shared layer: no layer of its own was installed
+        sandbox.layer_installed_ns = self.layer_ns if p.request.shared is None else None
+        sandbox.degraded = self.degraded
+        return sandbox
+
+    def _verify_first(self) -> None:
+        """Every artifact checked before anything touches the sandbox of that name (a fork's
+        is new: its parts may still be verified while its container is made)."""
+        p = self.plan
+        if p.request.shared is None or p.target == p.ck.sandbox:
+            for part in (p.layer, p.images):
+                if part is not None:
+                    part.verified()
+
+    def _install(self) -> None:
+        """The old containers are listed and die while the new one is created (or taken) and
+        filled under a name of its own (labelled as the sandbox: found by the fence from then
+        on, so the listing, which runs alongside the create, leaves out only that name); it
+        takes the sandbox's name, and starts, only once every one of them is dead."""
+        p = self.plan
+        new_name = f"{p.target}-restoring-{uuid.uuid4().hex[:8]}"
         killing: Background | None = None
         # the linked images directory is made while Docker creates the container (~30 links
         # + a nonce): beside the images where they are in memory (``Staged.links``), else on
         # Docker's disk, then put into place with one rename
-        linking = Background(runtime_images.links, tmp) if runtime_images is not None and via == "linked" else None
+        if p.images is not None and p.via == "linked":
+            self.linking = Background(p.images.links, p.tmp)
         try:
-            if precreated is not None:
-                cid, info = precreated.container_id, precreated.inspect
-                _attach_precreated(client, cid, info, shared, precreated.alias)
-            elif spare is not None and (spared := next(iter(spare.take_for(ck.config, data, 1)), None)) is not None:
-                cid, info = spared.container_id, spared.inspect
-                _fit_spare(client, cid, info, ck, layer_image)
-            else:
-                cid, info = _create(client, ck, data, new_name, target, layer_image, shared)
+            self.cid, self.info = self._container(new_name)
             # Docker made it: only now does the live sandbox of this name die (a container
             # Docker refuses to create leaves it running); it dies while the layer goes in
-            killing = Background(_fence_all_but if fence_first else _nothing, client, target, new_name)
-            hook(Phase.CREATED)
-            if fs is not None:
-                layer_fs = layer.upper_dir(info)
-                fs.move_to(layer_fs)
-            elif shared is not None:
-                shared.wait_ready()  # unpacked and verified (made beside the creates: ``fork``)
-            layer_ns = time.time_ns()  # the whole layer is in place (moved or mounted), nothing of the container ran yet
-            hook(Phase.LAYER_INSTALLED)
-            if runtime_images is not None:
-                images_dir = Path(prestaging.docker_root(client)) / "containers" / cid / "checkpoints" / RESTORE_NAME
-                if linking is not None:
-                    link_dir, nonce = linking.result()
-                    linking = None
-                    if not in_memory_links(link_dir):
-                        images_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                        os.rename(link_dir, images_dir)
-                    elif point_checkpoints_at(images_dir.parent, link_dir.parent):
-                        pointed = images_dir.parent
-                        images_dir = link_dir.parent  # spent with the images
-                    else:  # the container's checkpoints directory holds something: links on its disk
-                        remove_links(link_dir)
-                        nonce = runtime_images.link_into(images_dir)
-                else:
-                    runtime_images.move_to(images_dir)
-                    nonce = ctrd_copies.write_nonce(images_dir)
-                hook(Phase.RUNTIME_VERIFIED)
+            killing = Background(fence_all_but if p.request.fence_first else fence_nothing, p.client, p.target,
+                                 new_name)
+            p.hook(Phase.CREATED)
+            if p.layer is not None:
+                self.layer_fs = layer.upper_dir(self.info)
+                p.layer.move_to(self.layer_fs)
+            elif p.request.shared is not None:
+                p.request.shared.wait_ready()  # unpacked and verified (made beside the creates: ``fork``)
+            self.layer_ns = time.time_ns()
+            p.hook(Phase.LAYER_INSTALLED)
+            if p.images is not None:
+                self._install_images()
+                p.hook(Phase.RUNTIME_VERIFIED)
         finally:
             try:
-                fenced = killing.result() if killing is not None else []
+                self.fenced = killing.result() if killing is not None else []
             finally:
-                if linking is not None:  # made (or not), never put in place: a failure
+                if self.linking is not None:  # made (or not), never put in place: a failure
                     with contextlib.suppress(Exception):
-                        remove_links(linking.result()[0])
-        with translate_errors(f"name restored sandbox {target}"):
-            client.api.rename(cid, target)
-        if runtime_images is not None:
+                        remove_links(self.linking.result()[0])
+
+    def _container(self, new_name: str) -> tuple[str, dict]:
+        """Into: the pooled container, else the spare if this checkpoint fits it, else a new one."""
+        p, r = self.plan, self.plan.request
+        if r.precreated is not None and r.shared is not None:
+            attach_precreated(p.client, r.precreated, r.shared)
+            return r.precreated.container_id, r.precreated.inspect
+        if r.spare is not None and (spared := next(iter(r.spare.take_for(p.ck.config, p.data, 1)), None)) is not None:
+            fit_spare(p.client, spared, p.ck, p.layer_image)
+            return spared.container_id, spared.inspect
+        return create(p.client, p.ck, p.data, new_name, p.target, p.layer_image, r.shared)
+
+    def _install_images(self) -> None:
+        """The verified images into the container's checkpoint directory: links (moved in,
+        or the directory pointed at them where they are in memory), or the files themselves."""
+        p = self.plan
+        assert p.images is not None and self.cid is not None
+        self.images_dir = Path(prestaging.docker_root(p.client)) / "containers" / self.cid / "checkpoints" / RESTORE_NAME
+        if self.linking is None:  # copied
+            p.images.move_to(self.images_dir)
+            self.nonce = ctrd_copies.write_nonce(self.images_dir)
+            return
+        link_dir, self.nonce = self.linking.result()
+        self.linking = None
+        if not in_memory_links(link_dir):
+            self.images_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.rename(link_dir, self.images_dir)
+        elif point_checkpoints_at(self.images_dir.parent, link_dir.parent):
+            self.pointed = self.images_dir.parent
+            self.images_dir = link_dir.parent  # spent with the images
+        else:  # the container's checkpoints directory holds something: links on its disk
+            remove_links(link_dir)
+            self.nonce = p.images.link_into(self.images_dir)
+
+    def _start(self) -> None:
+        """Start from the checkpoint; where CRIU refuses and ``allow_degraded``, a new container
+        with the layer only (reported: ``degraded``)."""
+        p, ck = self.plan, self.plan.ck
+        if p.images is not None:
             try:
-                runtime.start_from(client, cid, RESTORE_NAME)
+                runtime.start_from(p.client, self.cid, RESTORE_NAME)
             except (docker.errors.APIError, BelayerError) as e:
-                remove(client, cid)
-                cid = None
-                if not allow_degraded:
+                remove(p.client, self.cid)
+                self.cid = None
+                if not p.request.allow_degraded:
                     raise RestoreFailed(f"checkpoint {ck.id}: CRIU restore failed: {short_error(e)}",
                                         checkpoint=ck.id) from e
-                degraded = True
-                cid, info = _create(client, ck, data, target, target, shared=shared)
-                if shared is None:
-                    layer_fs = layer.upper_dir(info)
-                    layer.install(Path(ck.path) / "layer.tar", layer_fs, data["files"]["layer.tar"])
-                layer_ns = time.time_ns()
-        if degraded:
+                self.degraded = True
+                self.cid, self.info = create(p.client, ck, p.data, p.target, p.target, shared=p.request.shared)
+                if p.request.shared is None:
+                    self.layer_fs = layer.upper_dir(self.info)
+                    layer.install(Path(ck.path) / "layer.tar", self.layer_fs, p.data["files"]["layer.tar"])
+                self.layer_ns = time.time_ns()
+        if self.degraded:
             with translate_errors(f"start restored sandbox {ck.sandbox}"):
-                client.api.start(cid)
-        hook(Phase.STARTED)
-        _wait_running(client, cid, ck, loopback_hook=bool(data.get("network_disabled")) and not degraded)
-        fence.wait_not_running(client, fenced, target)  # long true in Docker's view too, by now
-        hook(Phase.VERIFIED)
-    except Exception as e:
-        if cid is not None:
-            remove_quietly(client, cid)
-        if isinstance(e, RestoreFailed):
-            raise
-        if isinstance(e, layer.LayerError):
-            raise RestoreFailed(f"checkpoint {ck.id}: file-system layer unusable: {e}", checkpoint=ck.id) from e
-        raise RestoreFailed(f"restore of checkpoint {ck.id} failed: {short_error(e)}", checkpoint=ck.id) from e
-    finally:
-        # restored (or failed): CRIU has read the images; the unpacked copies are spent.
-        # Deleting them (thousands of files for a copied layer: seconds under load) is not
-        # part of a successful restore: a thread does it (``wait_cleaned``); a failed one
-        # cleans up before it raises
-        spent = [p for p in (images_dir, staged) if p is not None]
-        parts = [p for p in (fs, runtime_images) if p is not None]
-        nonces = [nonce] if nonce is not None else []  # containerd's copy (``ctrd_copies``)
-        if sys.exc_info()[0] is None:
+                p.client.api.start(self.cid)
+
+    def _clean_up(self, succeeded: bool) -> None:
+        """Restored (or failed): CRIU has read the images; the unpacked copies are spent.
+        Deleting them (thousands of files for a copied layer: seconds under load) is not part
+        of a successful restore: a thread does it (``wait_cleaned``); a failed one cleans up
+        before it raises."""
+        p = self.plan
+        spent = [d for d in (self.images_dir, p.staged) if d is not None]
+        parts = [s for s in (p.layer, p.images) if s is not None]
+        nonces = [self.nonce] if self.nonce is not None else []  # containerd's copy (``ctrd_copies``)
+        if succeeded:
             discard_later(spent, parts, nonces)
-            if pointed is not None:
-                clean_later(unpoint, pointed)
+            if self.pointed is not None:
+                clean_later(unpoint, self.pointed)
             # what this restore wrote (a layer copied into a capped file system: its own
             # file system, then Docker's, which holds its image) is not left for the next
             # restore's fsyncs to wait for (``writeback``)
-            writeback.flush_later(*([layer_fs] if layer_fs is not None else []), tmp)
+            writeback.flush_later(*([self.layer_fs] if self.layer_fs is not None else []), p.tmp)
         else:
             discard_now(spent, parts, nonces)
-        fence.remove_in_background(client, fenced)  # after the restore: no disk contention with it
-    sandbox = DockerSandbox.attach(cid, ck.config, target, client)
-    sandbox.restored_from = ck.id
-    sandbox.layer_installed_ns = layer_ns if shared is None else None  # its upperdir holds only its own writes
-    sandbox.degraded = degraded
-    return sandbox
-
-
-def _fence_all_but(client: docker.DockerClient, target: str, new_name: str) -> list[str]:
-    """Kill every container of sandbox ``target`` except this restore's own (``new_name``)."""
-    listed = [c for c in fence.sandbox_containers(client, target, by_name=True)
-              if f"/{new_name}" not in (c.get("Names") or ())]
-    return fence.kill_listed(client, target, listed, docker_view=False)  # dead is enough to start; Docker's view: after the start
-
-
-def _nothing(*_args: Any) -> list[str]:
-    return []
-
-
-def _create(client: docker.DockerClient, ck: Checkpoint, data: dict[str, Any], name: str, sandbox: str,
-            layer_image: Path | None = None,
-            shared: shared_layer.SharedLower | None = None) -> tuple[str, dict[str, Any]]:
-    """A created (not started) container with the checkpoint's settings and exact image,
-    named ``name`` and labelled as sandbox ``sandbox``, and Docker's inspect of it; with
-    ``layer_image`` (pre-staged, layer inside) that file system is mounted as its
-    disk-capped layer instead of an empty one; with ``shared``, that layer goes on top of
-    its lower layers (and its label on it)."""
-    update: dict[str, Any] = {"image": data.get("image_id") or ck.config.image}
-    if layer_image is not None:
-        update["disk"] = None  # the cap is layer_image's own size
-    labels = {SANDBOX_NAME: sandbox, **(shared.labels if shared is not None else {})}
-    container = create_container(client, ck.config.model_copy(update=update), name, labels=labels,
-                                 network_disabled=bool(data.get("network_disabled")))
-    info = container.attrs  # docker-py inspected it right after the create
-    if shared is not None:
-        try:
-            shared.attach(info)
-        except BaseException:
-            remove_quietly(client, container.id)
-            raise
-    if layer_image is not None:
-        try:
-            disk.mount_layer_image(info, layer_image)
-        except BaseException:
-            remove_quietly(client, container.id)
-            raise
-    return container.id, info
-
-
-def _attach_precreated(client: docker.DockerClient, cid: str, info: dict[str, Any],
-                       shared: shared_layer.SharedLower, alias: str) -> None:
-    """A pooled container onto the shared layer: its alias names the copy, then its lowers."""
-    try:
-        shared_layer.make_alias(shared, alias)
-        shared.attach(info)
-    except BaseException:
-        remove_quietly(client, cid)
-        raise
-
-
-def _fit_spare(client: docker.DockerClient, cid: str, info: dict[str, Any], ck: Checkpoint,
-               layer_image: Path | None) -> None:
-    """A spare (created without a disk cap) gets what ``_create`` gives a new container:
-    the pre-staged layer file system mounted as its layer, or else the checkpoint's cap."""
-    try:
-        if layer_image is not None:
-            disk.mount_layer_image(info, layer_image)
-        elif ck.config.disk_bytes is not None:
-            disk.limit_layer(info, ck.config.disk_bytes)
-    except BaseException:
-        remove_quietly(client, cid)
-        raise
+        fence.remove_in_background(p.client, self.fenced)  # after the restore: no disk contention with it
 
 
 def _wait_running(client: docker.DockerClient, cid: str, ck: Checkpoint, *, loopback_hook: bool) -> None:

@@ -35,14 +35,12 @@ import dataclasses
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 
 import docker
 
 from belayer_core.errors import InfraError, RestoreFailed, SandboxLost
-from belayer_env.background import Background
 from belayer_env.phases import Phase, PhaseHook, no_hook
+from belayer_env.restore.promotion import Frozen, promote_docker, promote_kernel
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox import fence, freezer
 from belayer_env.sandbox.config import SandboxConfig
@@ -57,18 +55,6 @@ PREPARE_WAIT_S = 60.0
 
 def standby_name(sandbox: str) -> str:
     return f"{sandbox}-standby-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass(frozen=True)
-class Frozen:
-    """A prepared standby as checked while preparing: frozen through ``control`` (its
-    freezer file), Docker's view running with init ``pid``; ``roster``: its sandbox's
-    containers as listed then, kept valid through the kernel (``sandbox/roster.py``)."""
-
-    container_id: str
-    pid: int
-    control: Path
-    roster: Roster | None = None
 
 
 def meminfo_available() -> int | None:
@@ -177,70 +163,13 @@ class Standby:
                 self._cancel.set()  # still preparing past the wait: it removes itself
             return None
         if frozen is not None:
-            promoted = self._promote_kernel(checkpoint, name, standby, frozen)
+            self.last_promote = {}
+            promoted = promote_kernel(self.client, self.hook, checkpoint, name, standby, frozen, self.last_promote)
         else:
-            promoted = self._promote_docker(checkpoint, name, standby, sandbox.container_id)
+            promoted = promote_docker(self.client, self.hook, checkpoint, name, standby, sandbox.container_id)
         promoted.restored_from = checkpoint.id
         # its processes ran only after this stamp: the next capture can be incremental
         promoted.layer_installed_ns = sandbox.layer_installed_ns
-        return promoted
-
-    def _promote_kernel(self, checkpoint: Checkpoint, name: str, standby: str, frozen: Frozen) -> DockerSandbox:
-        """Fence + thaw + verify through the kernel; Docker's names on a thread (module docstring)."""
-        cid, phases = frozen.container_id, {}
-        self.last_promote = phases
-        t0 = time.perf_counter()
-        try:
-            found = frozen.roster.current(name, cid) if frozen.roster is not None else None
-            phases["listed_ahead"] = float(found is not None)
-            if found is None:
-                found = [c for c in fence.sandbox_containers(self.client, name, by_name=True) if c["Id"] != cid]
-            killed, done = fence.kill_kernel(self.client, name, found)
-            t1 = time.perf_counter()
-            phases["fence_s"] = t1 - t0
-            fence.add_alias(name, cid)  # a container of ``name`` from here on, in every listing of it
-            if not freezer.thaw(cid):
-                raise SandboxLost(f"standby {standby} could not be thawed")
-            t2 = time.perf_counter()
-            phases["thaw_s"] = t2 - t1
-            self.hook(Phase.STANDBY_THAWED)
-            t2 = time.perf_counter()
-            if not freezer.init_alive(cid, frozen.pid):
-                raise SandboxLost(f"thawed standby of {checkpoint.id}: container {cid[:12]} lost its init process")
-            phases["verify_s"] = time.perf_counter() - t2
-        except BaseException:
-            with contextlib.suppress(Exception):  # under either name: nothing half-promoted runs
-                fence.fence(self.client, standby, background=False)
-                fence.fence(self.client, name, background=False)
-            fence.drop_alias(name, cid)
-            raise
-        # Docker's names after the critical path (a thread started earlier would compete for the CPU)
-        fence.settle_later(name, _take_name, self.client, name, standby, cid, killed, done, phases)
-        return DockerSandbox.attach(cid, checkpoint.config, name, self.client)
-
-    def _promote_docker(self, checkpoint: Checkpoint, name: str, standby: str, cid: str) -> DockerSandbox:
-        """Docker paused the standby (no cgroup of it here): its unpause beside the fence."""
-        api = self.client.api
-        # the thaw runs beside the fence: the standby shares nothing with the failed sandbox,
-        # and only the rename needs the name the fence frees
-        thaw = Background(_unpause, api, cid, f"thaw standby {standby}", name="belayer-standby-thaw")
-        try:
-            # dead in the kernel's view is enough; Docker's state catches up ~50-150 ms later,
-            # and the background removal below waits for it
-            fenced = fence.kill(self.client, name, docker_view=False)
-            with translate_errors(f"promote standby {standby}"):
-                api.rename(cid, name)
-            thaw.result()
-            self.hook(Phase.STANDBY_THAWED)
-            promoted = DockerSandbox.attach(cid, checkpoint.config, name, self.client)
-            promoted.check_alive(f"thawed standby of {checkpoint.id}")
-        except BaseException:
-            thaw.join()
-            with contextlib.suppress(Exception):  # under either name: nothing half-promoted runs
-                fence.fence(self.client, standby, background=False)
-                fence.fence(self.client, name, background=False)
-            raise
-        fence.remove_in_background(self.client, fenced)
         return promoted
 
     def discard(self, *, background: bool = False) -> None:
@@ -291,32 +220,6 @@ def freeze_checked(client: docker.DockerClient, cid: str, what: str) -> int:
     if not (state.get("Running") and not state.get("Paused") and freezer.init_alive(cid, pid)):
         raise SandboxLost(f"{what} is not running after its restore ({state.get('Status')})")
     return pid
-
-
-def _take_name(client: docker.DockerClient, name: str, standby: str, cid: str, killed: list[str],
-               done: list[str], phases: dict[str, float]) -> None:
-    """Docker's half of a promotion, on a thread: the dead containers renamed aside, the
-    standby renamed to ``name``, the dead removed. A standby that cannot take the name is
-    fenced: a promoted sandbox that a fence of ``name`` would not find never runs on."""
-    t0 = time.perf_counter()
-    try:
-        for dead in killed:
-            fence.rename_aside(client, dead, name)
-        with translate_errors(f"promote standby {standby}"):
-            client.api.rename(cid, name)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            fence.fence(client, standby, background=False)
-        raise
-    finally:
-        fence.drop_alias(name, cid)
-        fence.remove_in_background(client, killed + done)
-    phases["names_s"] = time.perf_counter() - t0
-
-
-def _unpause(api: docker.APIClient, container_id: str, what: str) -> None:
-    with translate_errors(what):
-        api.unpause(container_id)
 
 
 def promote_or_none(standby: Standby | None, checkpoint: Checkpoint, name: str) -> DockerSandbox | None:
