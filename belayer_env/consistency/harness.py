@@ -167,8 +167,8 @@ class _Injector:
         elif f.where == "restore" and not self._caused:
             self._caused = True
             self.env.settle()  # let the newest capture publish, so recovery really restores it
-            if self.env.checkpointer.standby is not None:
-                self.env.checkpointer.standby.discard()  # ...rather than promote a standby ("standby" trials do)
+            if self.env.recovery.standby is not None:
+                self.env.recovery.standby.discard()  # ...rather than promote a standby ("standby" trials do)
             self.faults.arm("restore", f.phase, f.kind)  # type: ignore[arg-type]
             self.faults.fire("kill")  # the action dies at once: recovery must restore...
 
@@ -179,7 +179,7 @@ class _Injector:
             return
         self._caused = True
         self.env.settle()  # the capture publishes, its standby is prepared...
-        standby = self.env.checkpointer.standby
+        standby = self.env.recovery.standby
         deadline = time.monotonic() + STANDBY_WAIT_S
         while standby is not None and not (standby.ready() or standby.error) and time.monotonic() < deadline:
             time.sleep(0.05)  # bounded poll of a background thread's state, not a sleep as synchronisation

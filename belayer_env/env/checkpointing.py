@@ -1,7 +1,9 @@
-"""The env's side of checkpointing: one capture in flight, the ready list, restore fallbacks.
+"""The env's side of capture: one capture in flight, the ready checkpoints, retention.
 
-The mechanism is ``belayer_env.checkpoint`` (start_checkpoint / full_restore). Decisions
-are the policy's; this class only carries them out and reports timings back to it.
+The mechanism is ``capture/`` (``start_checkpoint``, ``full_checkpoint``). When to capture is
+the policy's decision; this class only carries it out and reports timings back to it. What
+a rollback restores, and how, is ``recovery.Recovery``'s: it reads ``ready`` and keeps its
+standby in step with it (``ahead``).
 """
 
 from __future__ import annotations
@@ -12,19 +14,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import docker
 
-from belayer_core.errors import CheckpointFailed, InfraError, RestoreFailed, SandboxLost
+from belayer_core.errors import CheckpointFailed, InfraError, SandboxLost
 from belayer_env.capture.checkpoint import full_checkpoint
 from belayer_env.capture.pending import PendingCheckpoint, reason_of, start_checkpoint
 from belayer_env.env.policy import CheckpointPolicy
 from belayer_env.phases import PhaseHooks
 from belayer_env.restore.prestaging import discard_copies
-from belayer_env.restore.restore import full_restore
-from belayer_env.restore.spare import RestoreSpare
-from belayer_env.restore.standby import Standby, meminfo_available, promote_or_none
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.store.manifest import Checkpoint
@@ -33,27 +32,40 @@ from belayer_env.store.store import CheckpointStore
 CANCEL_THAW_S = 10.0
 PRESTAGE_STOP_S = 30.0
 LIVENESS_EVERY_S = 0.5
-STANDBY_WATCH_S = 120.0
+PUBLISH_WATCH_S = 120.0
 """How long a capture is watched for its publication, to start the standby at once."""
 Recorder = Callable[..., Any]  # Trajectory.record
 
 
+class Ahead(Protocol):
+    """What is prepared from the newest ready checkpoint ahead of a rollback (the env's
+    ``Recovery``: its standby), kept in step with the ready list."""
+
+    def prepare_ahead(self, checkpoint: Checkpoint) -> None:
+        """``checkpoint`` is the newest ready one, or is published and about to be (called
+        under the checkpointer's lock: the watcher of a capture and its collection never race)."""
+
+    def drop_ahead(self, checkpoint: Checkpoint) -> None:
+        """``checkpoint`` is removed: nothing prepared from it may be used."""
+
+    def clear_ahead(self) -> None:
+        """A new episode: everything prepared goes."""
+
+
 class Checkpointer:
-    def __init__(self, policy: CheckpointPolicy, record: Recorder, *, directory: str | None = None,
-                 keep: int = 3, runtime: bool = True, allow_degraded: bool = False, standby: bool = False):
+    def __init__(self, policy: CheckpointPolicy, record: Recorder, hooks: PhaseHooks, *,
+                 directory: str | None = None, keep: int = 3, runtime: bool = True):
         self.policy = policy
-        self.use_standby = standby
-        self.standby: Standby | None = None
-        self._standby_lock = threading.RLock()
-        """The newest checkpoint pre-restored and frozen (``standby=True`` and the policy agrees)."""
+        self.ahead: Ahead | None = None
+        """Told of the newest ready checkpoint as soon as it is published (``Recovery``, with ``standby=True``)."""
+        self._ahead_lock = threading.RLock()
         self.on_published: list[Callable[[Checkpoint], None]] = []
         """Called (on a watcher thread) with each checkpoint as soon as it is published (the
         env: its fork pool verifies what forks of it need, ``fork_ahead``)."""
         self.record = record
         self.runtime = runtime
-        self.allow_degraded = allow_degraded
         self.keep = keep
-        self.hooks = PhaseHooks()
+        self.hooks = hooks
         """Called at the mechanism's named phases (``RecoverableSandboxEnv.add_phase_hook``)."""
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="belayer-env-ckpt-")
@@ -68,8 +80,8 @@ class Checkpointer:
         self._waited_for = False  # the step after the capture has waited for its thaw
         self.failure: dict[str, Any] | None = None  # the newest capture failure not yet reported
         self.sandbox_config: SandboxConfig | None = None
-        """The settings of the sandbox this env created (in memory, never read from a manifest):
-        what its restores may ask for at most (``restore/trust.py``)."""
+        """The settings of the sandbox captured (in memory, never read from a manifest): what
+        restores of its checkpoints may ask for at most (``restore/trust.py``)."""
 
     # ------------------------------------------------------------------ capture
 
@@ -83,7 +95,7 @@ class Checkpointer:
         self._pending_step, self._pending_started = step, time.monotonic()
         self._pending_sandbox = sandbox
         self._waited_for = False
-        if self.use_standby or self.on_published:
+        if self.ahead is not None or self.on_published:
             threading.Thread(target=self._when_published, args=(self._pending,), daemon=True,
                              name=f"belayer-publish-watch-{step}").start()
         return True
@@ -93,13 +105,13 @@ class Checkpointer:
         when the env next looks (the next step's start): a fault in that very step would
         otherwise find the standby's restore just begun and wait for all of it."""
         try:
-            ckpt = pending.wait(timeout=STANDBY_WATCH_S)
+            ckpt = pending.wait(timeout=PUBLISH_WATCH_S)
         except Exception:  # noqa: BLE001 - failed or still running: the env's poll reports it
             return
-        with self._standby_lock:
+        with self._ahead_lock:
             current = ckpt is not None and self._pending is pending  # not collected, cancelled or reset meanwhile
-            if current and self.use_standby and self._client is not None:
-                self._prepare_standby_now(ckpt)
+            if current and self.ahead is not None:
+                self.ahead.prepare_ahead(ckpt)
             newest = current or (ckpt is not None and bool(self.ready) and self.ready[-1].id == ckpt.id)
         if newest:
             for callback in list(self.on_published):
@@ -166,13 +178,20 @@ class Checkpointer:
         if ckpt is None:
             self._failed("checkpoint_failed", step, "the capture was cancelled")
             return
-        self.ready.append(ckpt)
         self._prestaging = [p for p in self._prestaging if not p.prestaged.is_set()] + [pending]
+        self._adopt(ckpt)
+        if self.ahead is not None:
+            with self._ahead_lock:
+                self.ahead.prepare_ahead(ckpt)
+
+    def _adopt(self, ckpt: Checkpoint) -> None:
+        """``ckpt`` is the newest ready checkpoint: the policy and the trajectory are told,
+        the oldest beyond ``keep`` removed."""
+        self.ready.append(ckpt)
         self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
         self.policy.observe_ready(ckpt.step)
         self.record("checkpoint_ready", at_step=ckpt.step)
         self._prune()
-        self._prepare_standby(ckpt)
 
     def _failed(self, kind: str, step: int, reason: str, *, error: BaseException | None = None,
                 timed_out: bool = False) -> None:
@@ -189,37 +208,15 @@ class Checkpointer:
         failure, self.failure = self.failure, None
         return failure
 
-    def _prepare_standby(self, ckpt: Checkpoint) -> None:
-        """Pre-restore ``ckpt`` into the (one) standby when enabled and the policy wants it;
-        a standby of an older checkpoint is discarded either way (it would roll back further)."""
-        if not self.use_standby or self._client is None:
-            return
-        with self._standby_lock:
-            if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
-                return  # prepared as soon as it was published (``_when_published``)
-            self._prepare_standby_now(ckpt)
-
-    def _prepare_standby_now(self, ckpt: Checkpoint) -> None:
-        if self.standby is None:
-            self.standby = Standby(self._client, phase_hook=self.hooks)
-        if self.standby.ready() and self.standby.prepare_s is not None:
-            self.policy.observe_standby(self.standby.prepare_s)
-        if self.policy.wants_standby(ckpt.size_bytes, meminfo_available()):
-            self.standby.config = self.sandbox_config
-            self.standby.prepare(ckpt)
-            self.record("standby_preparing", at_step=ckpt.step)
-        else:
-            self.standby.discard(background=True)
-
     def _prune(self) -> None:
         while len(self.ready) > self.keep:
             self._remove(self.ready.pop(0))
 
     def _remove(self, ckpt: Checkpoint) -> None:
-        """Remove a checkpoint and its pre-staged copy on Docker's disk (one still being
-        made is stopped first), so nothing of it outlives the env."""
-        if self.standby is not None and self.standby.checkpoint is not None and self.standby.checkpoint.id == ckpt.id:
-            self.standby.discard(background=True)
+        """Remove a checkpoint, what was prepared from it (``ahead``) and its pre-staged copy
+        on Docker's disk (one still being made is stopped first): nothing of it outlives the env."""
+        if self.ahead is not None:
+            self.ahead.drop_ahead(ckpt)
         for p in self._prestaging:
             if p.checkpoint is not None and p.checkpoint.id == ckpt.id:
                 p.stop_prestage(PRESTAGE_STOP_S)
@@ -230,84 +227,26 @@ class Checkpointer:
             with contextlib.suppress(Exception):
                 discard_copies(self._client, ckpt.id)
 
-    # ------------------------------------------------------------------ restore
+    # ------------------------------------------------------------------ what a rollback asks of it
 
-    def restore(self, committed: int, *, client: docker.DockerClient, wait_s: float, attempts: int,
-                spare: RestoreSpare | None = None,
-                parts: dict[str, float] | None = None) -> tuple[DockerSandbox, int] | None:
-        """Restore the newest ready checkpoint at or below ``committed`` into a fresh container.
-
-        A checkpoint whose restore fails twice (``RestoreFailed``: corrupt, or the runtime
-        refused it) is dropped and an older one tried; a restore killed by an infra fault
-        is retried (the checkpoint is fine, the attempt was not). ``None``: nothing
-        usable is left, the caller goes back to the initial state. ``spare``: a container
-        created ahead for it (``restore.spare.RestoreSpare``), used if the checkpoint fits it.
-        ``parts`` (optional) adds the seconds spent waiting for a capture (``wait_capture``)
-        and restoring (``restore``).
-        """
-        parts = {} if parts is None else parts
-        t = time.monotonic()
-        self.poll(committed, wait_s=wait_s)
+    def finish_or_abandon(self, step: int, wait_s: float) -> None:
+        """A rollback to ``step`` or below is about to restore: collect the capture in flight
+        if it finishes within ``wait_s`` (it predates the fault), else abandon it."""
+        self.poll(step, wait_s=wait_s)
         if self._pending is not None:  # outlived the wait: not trustworthy in time
             self._pending.cancel()
             self._pending = None
-            self.record("checkpoint_abandoned", at_step=committed, reason="abandoned: still running at a recovery")
-        parts["wait_capture"] = parts.get("wait_capture", 0.0) + time.monotonic() - t
-        t = time.monotonic()
-        try:
-            return self._restore_newest(committed, client, attempts, spare)
-        finally:
-            parts["restore"] = parts.get("restore", 0.0) + time.monotonic() - t
+            self.record("checkpoint_abandoned", at_step=step, reason="abandoned: still running at a recovery")
 
-    def standby_for(self, committed: int) -> bool:
-        """A prepared standby of the checkpoint a rollback at ``committed`` tries first."""
-        ready = [c for c in self.ready if c.step <= committed]
-        standby = self.standby
-        return (bool(ready) and standby is not None and standby.ready() and standby.checkpoint is not None
-                and standby.checkpoint.id == ready[-1].id)
+    def drop_newest(self) -> None:
+        """The newest ready checkpoint is of no use to the rollback (past its boundary, or bad twice)."""
+        self._remove(self.ready.pop())
 
-    def _restore_newest(self, committed: int, client: docker.DockerClient, attempts: int,
-                        spare: RestoreSpare | None) -> tuple[DockerSandbox, int] | None:
-        tries, failures = 0, {}
-        while self.ready and tries < attempts:
-            ckpt = self.ready[-1]
-            if ckpt.step > committed:
-                self._remove(self.ready.pop())
-                continue
-            tries += 1
-            if tries == 1 and (sandbox := promote_or_none(self.standby, ckpt, ckpt.sandbox)) is not None:
-                self.record("standby_promoted", at_step=committed, to_step=ckpt.step)
-                return sandbox, ckpt.step
-            try:
-                sandbox = full_restore(ckpt, allow_degraded=self.allow_degraded, client=client,
-                                       phase_hook=self.hooks, spare=spare, config=self.sandbox_config)
-            except RestoreFailed as e:
-                self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
-                failures[ckpt.id] = failures.get(ckpt.id, 0) + 1
-                if not _transient(e) and failures[ckpt.id] >= 2:  # bad twice: fall back to an older one
-                    self._remove(self.ready.pop())
-                continue
-            except InfraError as e:
-                self.record("restore_failed", at_step=committed, error=e, to_step=ckpt.step)
-                continue
-            if sandbox.degraded:
-                self.record("degraded_restore", at_step=committed, to_step=ckpt.step)
-            return sandbox, ckpt.step
-        return None
-
-    def boundary_checkpoint(self, sandbox: DockerSandbox, step: int, timeout: float) -> Checkpoint:
-        """A ready checkpoint of boundary ``step`` (the sandbox's current one): the newest
-        ready one if it is that boundary's, else one taken now and kept as ready."""
-        self.settle(step, timeout)
-        if self.ready and self.ready[-1].step == step:
-            return self.ready[-1]
+    def capture_now(self, sandbox: DockerSandbox, step: int) -> Checkpoint:
+        """Checkpoint boundary ``step`` now, on this thread, and keep it as the newest ready one."""
         ckpt = full_checkpoint(sandbox, self.store, step, runtime=self.runtime, phase_hook=self.hooks)
         self._client, self.sandbox_config = sandbox.client, sandbox.config
-        self.ready.append(ckpt)
-        self.policy.observe_capture(ckpt.total_s, ckpt.frozen_s)
-        self.policy.observe_ready(ckpt.step)
-        self.record("checkpoint_ready", at_step=ckpt.step)
-        self._prune()
+        self._adopt(ckpt)
         return ckpt
 
     def settle(self, step: int, timeout: float) -> None:
@@ -326,8 +265,8 @@ class Checkpointer:
         """The sandbox is about to be fenced after a failure at step ``step + 1``.
 
         A capture past its thaw holds boundary ``step``'s state already: it is left to
-        finish (``restore`` waits for it). One still frozen is dumping a sandbox that is
-        gone: it is aborted, CRIU included, before the fence starts.
+        finish (the rollback waits for it: ``finish_or_abandon``). One still frozen is
+        dumping a sandbox that is gone: it is aborted, CRIU included, before the fence starts.
         """
         self.poll(step)
         if self._pending is not None and not self._pending.thawed.is_set():
@@ -352,8 +291,8 @@ class Checkpointer:
         """New episode: abort the capture in flight and forget every checkpoint."""
         self.abort_inflight()
         self.failure = None
-        if self.standby is not None:
-            self.standby.discard()
+        if self.ahead is not None:
+            self.ahead.clear_ahead()
         for c in self.ready:
             self._remove(c)
         self.ready = []
@@ -374,8 +313,3 @@ def _lost(sandbox: DockerSandbox) -> bool:
         return False
     return False
 
-
-def _transient(error: RestoreFailed) -> bool:
-    """A restore that died of an infra fault (not of the checkpoint's content) may be retried."""
-    cause = error.__cause__
-    return isinstance(cause, InfraError) and not isinstance(cause, RestoreFailed)

@@ -15,44 +15,44 @@ events live in ``env.trajectory``.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import docker
 import gymnasium as gym
 
 from belayer_core.errors import InfraError, SandboxLost, UsageError
-from belayer_core.procfs import read_stat
-from belayer_env.background import Background
 from belayer_env.env.checkpointing import Checkpointer
 from belayer_env.env.config import SUBMIT_MARKER, EnvConfig, with_overrides
+from belayer_env.env.episode import EpisodeSandbox
 from belayer_env.env.forking import fork_env
 from belayer_env.env.policy import CheckpointPolicy, PolicyName, make_policy
+from belayer_env.env.recovery import Recovery
 from belayer_env.env.rewards import Reward, ZeroReward
-from belayer_env.env.rollback import Rollback
 from belayer_env.env.spaces import AnyText
-from belayer_env.env.trajectory import StepRecord, Trajectory
-from belayer_env.env.turns import IdleOutcome, IdleRecovery, OneThread
+from belayer_env.env.trajectory import InfraEvent, StepRecord, Trajectory
+from belayer_env.env.turns import IdleRecovery, OneThread
 from belayer_env.forks.pool import ForkPool
-from belayer_env.phases import PhaseHook
+from belayer_env.phases import PhaseHook, PhaseHooks
 from belayer_env.restore.cleanup import wait_cleaned
-from belayer_env.restore.spare import RestoreSpare
+from belayer_env.restore.spare import RestoreSpare, kept_filled
 from belayer_env.sandbox.config import ResetOptions, SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
-from belayer_env.sandbox.deathwatch import DeathWatch
 from belayer_env.sandbox.docker_api import connect
 from belayer_env.sandbox.fence import wait_removed
 from belayer_env.store.manifest import Checkpoint
 
 OWN_EXITS_TO_END = 2
 """An action from the same boundary that ends the sandbox from inside this often is the agent's outcome."""
-OWN_EXIT_WAIT_S = 5.0
-_Pool = TypeVar("_Pool", bound=ForkPool)  # what an env keeps filled: a ForkPool or a RestoreSpare
+StepResult = tuple[str, float, bool, bool, dict]
 
 
-class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
+class RecoverableSandboxEnv(gym.Env[str, str]):
+    """The env (module docstring). It holds its parts: ``episode`` (the sandbox under its
+    name), ``checkpointer`` (captures), ``recovery`` (rollbacks: the one place that decides
+    what a rollback restores into), ``idle`` (deaths while the agent generates)."""
+
     metadata = {"render_modes": []}
 
     def __init__(self, config: EnvConfig | None = None, *,
@@ -68,46 +68,55 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
         self.observation_space = AnyText(max_length=max(limit, 1_000_000))
         self.action_space = AnyText(max_length=1_000_000)
         self.trajectory = Trajectory()
-        self.checkpointer = Checkpointer(self.policy, self._record, directory=config.checkpoint_dir,
-                                         keep=config.keep_checkpoints, runtime=config.runtime,
-                                         allow_degraded=config.allow_degraded, standby=config.standby)
-        self.sandbox: DockerSandbox | None = None
+        hooks = PhaseHooks()  # called at the mechanism's named phases (``add_phase_hook``)
+        self.episode = EpisodeSandbox(self.client, config.sandbox, hooks)
+        self.checkpointer = Checkpointer(self.policy, self._record, hooks, directory=config.checkpoint_dir,
+                                         keep=config.keep_checkpoints, runtime=config.runtime)
+        self.recovery = Recovery(config, self.episode, self.checkpointer, self.policy, self._record)
+        self.idle = IdleRecovery(self.client, self.episode, enabled=config.recover_while_idle,
+                                 boundary=lambda: len(self.trajectory.steps), recover=self._recover_idle)
         self.fork_pool: ForkPool | None = None
         if config.fork_pool:
             self.checkpointer.on_published.append(self._prepare_forks)
-        self.restore_spare: RestoreSpare | None = None
-        self.name = ""
-        self._episode_config = config.sandbox
-        self._setup: list[str] = []
         self._done = True
         self._last_return = time.monotonic()
         self.last_result: dict[str, Any] = {}
         """The sandbox's raw result of the last committed step (output, returncode)."""
         self._one_thread = OneThread()
         self._own_exits: dict[int, int] = {}  # boundary -> times an action from it ended the sandbox
-        self._idle_lock = threading.Lock()
-        self._agent_turn = False  # between the env's return and the agent's next call
-        self._idle_recovery: Background | None = None
-        self._idle_outcome: IdleOutcome | None = None  # for the next step
-        self._watch = DeathWatch(self.client, self._died_while_idle) if config.recover_while_idle else None
+
+    @property
+    def sandbox(self) -> DockerSandbox | None:
+        """The episode's sandbox (``episode`` holds it: a reset, a rollback or a resume replaces it)."""
+        return self.episode.sandbox
+
+    @property
+    def name(self) -> str:
+        """The episode's sandbox name (every container of the episode carries it)."""
+        return self.episode.name
+
+    @property
+    def restore_spare(self) -> RestoreSpare | None:
+        """The container created ahead for the next restore (``EnvConfig.restore_spare``)."""
+        return self.recovery.spare
 
     @contextlib.contextmanager
     def _env_turn(self, what: str) -> Iterator[None]:
         """One thread at a time; with ``recover_while_idle``, the sandbox is watched from
         each return until the next call (which first waits for a restore begun meanwhile)."""
         with self._one_thread(what):
-            self._take_turn()
+            self.idle.take_turn()
             try:
                 yield
             finally:
-                self._give_turn()
+                self.idle.give_turn(None if self._done else self.sandbox)
 
     # ------------------------------------------------------------------ gymnasium API
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         """Fresh sandbox (``options``: ``task`` text, ``setup`` command(s), ``image``)."""
         with self._env_turn("reset"):
-            self._idle_outcome = None  # a new episode: the old one's restore is moot
+            self.idle.take_outcome()  # a new episode: the old one's restore is moot
             return self._reset(seed, options)
 
     def _reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[str, dict]:
@@ -117,16 +126,17 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
         self._own_exits = {}
         self._done = True  # until the new sandbox is ready
         self.checkpointer.reset()
-        self._fence(wait_removed=False)
-        self.sandbox = None
-        self._setup = opts.setup_commands
-        self._episode_config = SandboxConfig.merged(self.config.sandbox, {"image": opts.image} if opts.image else {})
+        episode = self.episode
+        episode.fence(wait_removed=False)
+        episode.sandbox = None
+        episode.setup = opts.setup_commands
+        episode.config = SandboxConfig.merged(self.config.sandbox, {"image": opts.image} if opts.image else {})
         self.trajectory = Trajectory(task=opts.task)
         self.policy.observe_rollback(0)
-        self.name = self._new_name()
+        episode.name = episode.new_name()
         for attempt in range(self.config.recovery_attempts):
             try:
-                self.sandbox = self._initial_state()
+                episode.sandbox = episode.initial_state()
                 break
             except InfraError:
                 if attempt + 1 == self.config.recovery_attempts:
@@ -135,7 +145,7 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
         if self.fork_pool is not None:
             self.fork_pool.prepare(None)  # the last episode's checkpoints are gone
         self.refill_fork_pool()
-        self._refill_restore_spare()
+        self.recovery.refill_spare()
         observe_reset = getattr(self.policy, "observe_reset", None)  # a policy of an older protocol may lack it
         if observe_reset is not None:
             observe_reset(time.monotonic() - started)
@@ -143,15 +153,15 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
         self._last_return = time.monotonic()
         return self.trajectory.task, {"belayer": {"step": 0}}
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+    def step(self, action: str) -> StepResult:
         return self.step_command(action)
 
     def step_command(self, action: str, *, cwd: str = "", timeout: float | None = None,
-                     checkpoint: bool = True) -> tuple[str, float, bool, bool, dict]:
+                     checkpoint: bool = True) -> StepResult:
         """``step`` with mini-swe-agent's per-call ``cwd``/``timeout``; ``checkpoint=False``
         keeps this boundary out of the checkpoint policy (e.g. mid-way through a message)."""
         with self._env_turn("step"):
-            outcome, self._idle_outcome = self._idle_outcome, None
+            outcome = self.idle.take_outcome()
             if outcome is not None:
                 if isinstance(outcome.result, BaseException):
                     raise outcome.result  # every restore attempt failed: as a step's own failure would
@@ -164,8 +174,7 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
                 result[4]["belayer"]["recovered_while_idle"] = rollback
             return result
 
-    def _step(self, action: str, cwd: str, timeout: float | None,
-              checkpoint: bool) -> tuple[str, float, bool, bool, dict]:
+    def _step(self, action: str, cwd: str, timeout: float | None, checkpoint: bool) -> StepResult:
         if self._done or self.sandbox is None:
             raise UsageError("the episode is over (or was never started): call reset() first")
         if not isinstance(action, str):
@@ -177,7 +186,9 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
         try:
             result = self.sandbox.execute(action, cwd=cwd, timeout=timeout)
             if (result["returncode"] >= 128 or result["returncode"] == 126) and not result.get("timed_out"):
-                self._confirm_alive()
+                # killed by a signal (or could not start: 126): it may have died *with* its
+                # container; one more exec asks before the agent is shown that exit code
+                self.sandbox.confirm_alive(f"sandbox {self.name}: liveness probe")
             output = result["output"]
             submitted = result["returncode"] == 0 and _first_line(output) == SUBMIT_MARKER
             reward = 0.0
@@ -185,7 +196,7 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
                 submission = output.lstrip().split("\n", 1)[1] if "\n" in output.lstrip() else ""
                 reward = float(self.reward_fn(self.sandbox, self.trajectory, submission))
         except InfraError as e:
-            code = self._own_exit() if isinstance(e, SandboxLost) else None
+            code = self.episode.own_exit() if isinstance(e, SandboxLost) else None
             if code is not None:
                 self._own_exits[k] = self._own_exits.get(k, 0) + 1
                 self._record("sandbox_exited", at_step=k, error=e, exit_code=code)
@@ -216,8 +227,8 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
     def fork(self, n: int) -> list[RecoverableSandboxEnv]:
         """``n`` independent envs at this env's current boundary (see ``belayer_env.fork``)."""
         with self._env_turn("fork"):
-            if self._idle_outcome is not None and (isinstance(self._idle_outcome.result, BaseException)
-                                                   or self._idle_outcome.moved_back):
+            outcome = self.idle.outcome
+            if outcome is not None and (isinstance(outcome.result, BaseException) or outcome.moved_back):
                 raise SandboxLost(f"sandbox {self.name} died while idle and is not at the agent's boundary any "
                                   "more: call step() to receive the rollback, then fork")
 
@@ -226,8 +237,8 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
     def refill_fork_pool(self) -> None:
         """Top up ``fork_pool`` containers for this sandbox in the background (config
         ``fork_pool``; a pool made for another image or settings is replaced)."""
-        self.fork_pool = self._refilled(self.fork_pool, bool(self.config.fork_pool),
-                                        lambda sb: ForkPool(sb, self.config.fork_pool, new_name=self._new_name))
+        self.fork_pool = kept_filled(self.fork_pool, bool(self.config.fork_pool), self.sandbox,
+                                     lambda sb: ForkPool(sb, self.config.fork_pool, new_name=self.episode.new_name))
 
     def _prepare_forks(self, checkpoint: Checkpoint) -> None:
         """A checkpoint was published: the fork pool verifies what forks of it need
@@ -235,24 +246,6 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
         pool = self.fork_pool
         if pool is not None and checkpoint.sandbox == self.name:
             pool.prepare(checkpoint)
-
-    def _refill_restore_spare(self) -> None:
-        """The same for the restore spare (config ``restore_spare``), named apart from any
-        episode's sandbox: it outlives resets (a new name each)."""
-        self.restore_spare = self._refilled(
-            self.restore_spare, self.config.restore_spare,
-            lambda sb: RestoreSpare(sb, new_name=lambda: f"{self._new_name()}-spare"))
-
-    def _refilled(self, pool: _Pool | None, wanted: bool, make: Callable[[DockerSandbox], _Pool]) -> _Pool | None:
-        if not wanted or self.sandbox is None:
-            return pool
-        if pool is not None and not pool.serves(self.sandbox):
-            pool.close()
-            pool = None
-        if pool is None:  # not ``pool or``: an empty pool is falsy (``len``)
-            pool = make(self.sandbox)
-        pool.fill()
-        return pool
 
     def add_phase_hook(self, hook: PhaseHook) -> Callable[[], None]:
         """Call ``hook(phase)`` at every named ``Phase`` of this env's captures and restores
@@ -269,51 +262,56 @@ class RecoverableSandboxEnv(Rollback, IdleRecovery, gym.Env[str, str]):
     def close(self) -> None:
         """Remove the sandbox container and every checkpoint this env made (idempotent)."""
         with self._env_turn("close"):
-            self._idle_outcome = None
-            for pool in (self.fork_pool, self.restore_spare):
-                if pool is not None:
-                    pool.close()
-            self.fork_pool = self.restore_spare = None
+            self.idle.take_outcome()
+            if self.fork_pool is not None:
+                self.fork_pool.close()
+            self.fork_pool = None
+            self.recovery.close()
             self.checkpointer.close()
-            self._fence()
+            self.episode.fence()
             wait_cleaned()  # the restores' spent copies, deleted on threads
             wait_removed()  # the containers recoveries fenced, removed on threads
-            self.sandbox = None
+            self.episode.sandbox = None
             self._done = True
             super().close()
 
+    # ------------------------------------------------------------------ the env's half of a rollback
+
+    def _recover(self, error: InfraError, k: int, *, while_idle: bool = False) -> StepResult:
+        """``recovery`` restores boundary j <= k; the trajectory goes back to j and the agent
+        is told (``info["belayer"]["rollback"]``). The failed action is never retried."""
+        try:
+            restored = self.recovery.rollback(error, k)
+        except InfraError:
+            self._done = True  # every attempt failed
+            raise
+        j = restored.step
+        self.trajectory.rollback(j, at_step=k, error=error, recovery_s=time.monotonic() - restored.detected,
+                                 while_idle=while_idle,
+                                 recovery_parts={n: round(v, 4) for n, v in restored.parts.items()})
+        if not while_idle:  # while idle the agent's generation goes on: its interval is not reset
+            self._last_return = time.monotonic()
+        observation = self.trajectory.observation_at(j)
+        info = {"belayer": {"step": j, "rollback": {"to_step": j, "reason": type(error).__name__}}}
+        return (self.trajectory.task if observation is None else observation), 0.0, False, False, info
+
+    def _recover_idle(self, error: SandboxLost, k: int) -> tuple[StepResult, InfraEvent]:
+        """``_recover`` for ``idle``: its step result and its rollback event."""
+        result = self._recover(error, k, while_idle=True)
+        return result, next(e for e in reversed(self.trajectory.events) if e.kind == "rollback")
+
+    def _record(self, kind: str, at_step: int, error: BaseException | None = None, **extra: Any) -> None:
+        self.trajectory.record(kind, at_step, error, **extra)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ an action that ends the sandbox
 
-    def _own_exit(self) -> int | None:
-        """The container's exit code when its init exited by itself (e.g. the action ran
-        ``kill -TERM 1``): not killed by a signal (>= 128), not OOM-killed. None otherwise,
-        including a container still running (a broken transport, say)."""
-        if self.sandbox is None:
-            return None
-        deadline = time.monotonic() + OWN_EXIT_WAIT_S
-        try:
-            while True:
-                state = self.client.api.inspect_container(self.sandbox.container_id)["State"]
-                if not state.get("Running"):
-                    break
-                init = read_stat(state.get("Pid") or 0)
-                if (init is not None and init.running) or time.monotonic() > deadline:
-                    return None
-                time.sleep(0.02)  # the init is exiting: Docker records the exit a moment later
-        except Exception:  # noqa: BLE001 - gone or unreadable: no evidence, treat as infra
-            return None
-        code = state.get("ExitCode")
-        if state.get("OOMKilled") or not isinstance(code, int) or not 0 <= code < 128:
-            return None
-        return code
-
     def _ended_by_action(self, action: str, k: int, code: int, exec_s: float,
-                         gen_s: float) -> tuple[str, float, bool, bool, dict]:
+                         gen_s: float) -> StepResult:
         """Actions from boundary ``k`` ended the sandbox from inside again: that is the
         agent's outcome (terminal), not an infrastructure failure to roll back forever."""
         self.checkpointer.before_fence(k)
-        self._fence()
-        self.sandbox = None
+        self.episode.fence()
+        self.episode.sandbox = None
         self._done = True
         output = f"[belayer: the command ended the sandbox itself (its init exited with code {code}); the episode is over]\n"
         observation = self.config.observation_template.format(returncode=code, output=output)

@@ -63,7 +63,7 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
         steps = self.trajectory.steps[:step]
         if len(steps) != step:
             raise InfraError(f"boundary {step} is not committed (only {len(steps)} steps)")
-        return {"task": self.trajectory.task, "setup": list(self._setup), "image": self._episode_config.image,
+        return {"task": self.trajectory.task, "setup": list(self.episode.setup), "image": self.episode.config.image,
                 "steps": [s.model_dump(mode="json") for s in steps]}
 
     def resume_point(self) -> dict[str, Any] | None:
@@ -82,8 +82,8 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
         """
         error = error or NodeLost(f"the node running the episode was lost at boundary {at_step}")
         self.checkpointer.reset()
-        self._fence()
-        self.sandbox = None
+        self.episode.fence()
+        self.episode.sandbox = None
         self._done = True
         restored = self._restore_replica(checkpoint_id, at_step) if checkpoint_id else None
         if restored is None:  # boundary 0: the task from scratch, under a new name
@@ -127,14 +127,14 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
                     if episode is None:
                         raise CheckpointNotFound(f"replica {rep.id} holds no episode record")
                     ck = self.replica.fetch(rep.id, self.checkpointer.store)
-                    self.name = ck.sandbox
+                    self.episode.name = ck.sandbox
                     # this env's settings bound the restore; the task's image comes from the
                     # episode record, which the replica's signed marker covers
                     allowed = SandboxConfig.merged(self.config.sandbox,
                                                    {"image": episode["image"]} if episode.get("image") else {})
                     sandbox = full_restore(ck, allow_degraded=self.config.allow_degraded, client=self.client,
                                            phase_hook=self.checkpointer.hooks, config=allowed)
-                    self._episode_config = ck.config
+                    self.episode.config = ck.config
                 except CheckpointNotFound as e:  # corrupt or gone: an older one
                     self._record("restore_failed", at_step=at_step, error=e, to_step=rep.step)
                     break
@@ -155,8 +155,8 @@ class ResumableSandboxEnv(RecoverableSandboxEnv):
     def _adopt(self, sandbox: Any, ck: Any, episode: dict[str, Any]) -> None:
         steps = [StepRecord(**s) for s in episode["steps"]]
         self.trajectory = Trajectory(task=episode["task"], steps=steps)
-        self._setup = list(episode["setup"])
-        self.sandbox = sandbox
+        self.episode.setup = list(episode["setup"])
+        self.episode.sandbox = sandbox
         self.checkpointer.ready = [ck]
         self.policy.observe_ready(ck.step)
         if getattr(sandbox, "degraded", False):

@@ -7,11 +7,16 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+import docker
 
 from belayer_core.errors import SandboxLost, UsageError
 from belayer_env.background import Background
+from belayer_env.env.episode import EpisodeSandbox
 from belayer_env.env.trajectory import InfraEvent
+from belayer_env.sandbox.container import DockerSandbox
+from belayer_env.sandbox.deathwatch import DeathWatch
 
 
 class OneThread:
@@ -43,53 +48,74 @@ class OneThread:
 
 
 class IdleRecovery:
-    """Deaths while the agent generates, for ``RecoverableSandboxEnv`` (``self`` is the env)."""
+    """Deaths while the agent generates (``EnvConfig(recover_while_idle=True)``; the env holds one).
 
-    def _give_turn(self) -> None:
-        if self._watch is None or self._done or self.sandbox is None:
+    The env gives the turn to the agent (``give_turn``: the sandbox is watched from then on)
+    and takes it back at the agent's next call (``take_turn``: a restore begun meanwhile is
+    waited for). A death in between is restored at once on a thread of its own, through
+    ``recover`` (the env's rollback); its result waits in ``outcome`` for the next call.
+    Disabled (``enabled=False``), every method is a no-op and ``outcome`` stays None.
+    """
+
+    def __init__(self, client: docker.DockerClient, episode: EpisodeSandbox, *, enabled: bool,
+                 boundary: Callable[[], int], recover: Callable[[SandboxLost, int], tuple[tuple, InfraEvent]]):
+        self.episode = episode
+        self._boundary = boundary  # the agent's boundary k (committed steps)
+        self._recover = recover  # the env's rollback at k: its step result and rollback event
+        self._lock = threading.Lock()
+        self._agent_turn = False  # between the env's return and the agent's next call
+        self._recovery: Background | None = None
+        self.outcome: IdleOutcome | None = None
+        """What a restore begun while the agent generated left for its next call."""
+        self._watch = DeathWatch(client, self._died) if enabled else None
+
+    def give_turn(self, sandbox: DockerSandbox | None) -> None:
+        """The env returns to the agent with ``sandbox`` at its boundary (None: the episode is over)."""
+        if self._watch is None or sandbox is None:
             return
-        with self._idle_lock:
+        with self._lock:
             self._agent_turn = True
-            self._watch.arm(self.sandbox.container_id)
+            self._watch.arm(sandbox.container_id)
 
-    def _take_turn(self) -> None:
+    def take_turn(self) -> None:
         """The agent calls again: stop watching; a restore begun meanwhile is waited for (its
         wait is recorded on its rollback event: the part of it the agent's time did not hide)."""
         if self._watch is None:
             return
-        with self._idle_lock:
+        with self._lock:
             self._agent_turn = False
             self._watch.disarm()
-            recovery, self._idle_recovery = self._idle_recovery, None
+            recovery, self._recovery = self._recovery, None
         if recovery is not None:
             t0 = time.monotonic()
             recovery.join()  # bounded: the restore's own attempts and waits are
-            if self._idle_outcome is not None and self._idle_outcome.event is not None:
-                self._idle_outcome.event.waited_s = time.monotonic() - t0
+            if self.outcome is not None and self.outcome.event is not None:
+                self.outcome.event.waited_s = time.monotonic() - t0
 
-    def _died_while_idle(self, generation: int) -> None:
+    def take_outcome(self) -> IdleOutcome | None:
+        outcome, self.outcome = self.outcome, None
+        return outcome
+
+    def _died(self, generation: int) -> None:
         """On the watch's thread: the init died while the agent generates; restore now."""
-        with self._idle_lock:
-            if (not self._agent_turn or self._idle_recovery is not None or self._watch is None
+        with self._lock:
+            if (not self._agent_turn or self._recovery is not None or self._watch is None
                     or generation != self._watch.generation):
                 return
-            self._idle_recovery = Background(self._recover_idle, name=f"belayer-idle-restore-{self.name}")
+            self._recovery = Background(self._restore, name=f"belayer-idle-restore-{self.episode.name}")
 
-    def _recover_idle(self) -> None:
-        k = len(self.trajectory.steps)
-        if self._own_exit() is not None:
+    def _restore(self) -> None:
+        k = self._boundary()
+        if self.episode.own_exit() is not None:
             return  # its init exited by itself (a background job of an action): the next step judges that
-        error = SandboxLost(f"sandbox {self.name} died while the agent was generating its next action")
-        last_return = self._last_return  # the agent's generation goes on: its interval is not reset
+        error = SandboxLost(f"sandbox {self.episode.name} died while the agent was generating its next action")
         event = None
         try:
-            result: tuple | BaseException = self._recover(error, k, while_idle=True)
-            event = next(e for e in reversed(self.trajectory.events) if e.kind == "rollback")  # this one's
+            result: tuple | BaseException
+            result, event = self._recover(error, k)
         except Exception as e:  # noqa: BLE001 - raised by the agent's next step, as the step's own recovery would
             result = e
-        finally:
-            self._last_return = last_return
-        self._idle_outcome = IdleOutcome(at_step=k, result=result, event=event)
+        self.outcome = IdleOutcome(at_step=k, result=result, event=event)
 
 
 class IdleOutcome:

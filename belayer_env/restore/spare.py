@@ -12,7 +12,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import docker
 
@@ -136,6 +136,25 @@ class ContainerPool:
 
     def _create(self) -> Slot:
         raise NotImplementedError
+
+
+Pool = TypeVar("Pool", bound="ContainerPool")
+
+
+def kept_filled(pool: Pool | None, wanted: bool, sandbox: DockerSandbox | None,
+                make: Callable[[DockerSandbox], Pool]) -> Pool | None:
+    """``pool`` topped up in the background for ``sandbox``: made (``make``) where there is
+    none, replaced where it was made for another image or settings; left as it is when not
+    ``wanted`` or no sandbox runs. What an env keeps filled: its fork pool, its restore spare."""
+    if not wanted or sandbox is None:
+        return pool
+    if pool is not None and not pool.serves(sandbox):
+        pool.close()
+        pool = None
+    if pool is None:  # not ``pool or``: an empty pool is falsy (``len``)
+        pool = make(sandbox)
+    pool.fill()
+    return pool
 
 
 def _made_as(sandbox: DockerSandbox) -> tuple[SandboxConfig, bool]:

@@ -123,7 +123,7 @@ def test_env_rollback_onto_the_standby(make_env, docker_client):
     env.step(COUNTER)
     env.step(BUMP.format(n=1))  # boundary 2: checkpoint, then a standby of it
     env.settle()
-    standby = env.checkpointer.standby
+    standby = env.recovery.standby
     wait_until(lambda: standby is not None and (standby.ready() or standby.error), 120, "standby prepared")
     assert standby.error is None and standby.checkpoint.step == 2
     standby_id = standby._sandbox.container_id
@@ -149,9 +149,9 @@ def test_standby_starts_when_the_checkpoint_is_published_not_at_the_next_step(ma
     pending = env.checkpointer._pending
     assert pending is not None
     ck = pending.wait(timeout=120)  # published; no env call since the step returned
-    wait_until(lambda: env.checkpointer.standby is not None and env.checkpointer.standby.checkpoint is not None,
+    wait_until(lambda: env.recovery.standby is not None and env.recovery.standby.checkpoint is not None,
                30, "standby started on publication")
-    standby = env.checkpointer.standby
+    standby = env.recovery.standby
     assert standby.checkpoint.id == ck.id
     wait_until(lambda: standby.ready() or standby.error, 120, "standby prepared")
     assert standby.error is None
@@ -173,7 +173,7 @@ def test_faults_in_standby_fall_back_to_a_consistent_restore(make_env, docker_cl
         env.step(COUNTER)
         env.step(BUMP.format(n=1))
         env.settle()
-        standby = env.checkpointer.standby
+        standby = env.recovery.standby
         wait_until(lambda: standby is not None and (standby.ready() or standby.error), 120, "standby settled")
         if phase == Phase.STANDBY_FROZEN:
             assert isinstance(standby.error, InjectedFault) and not standby.ready()
