@@ -11,7 +11,7 @@ import time
 import pytest
 
 from belayer_env.capture.checkpoint import full_checkpoint
-from belayer_env.capture.incremental import RACY_NS
+from belayer_env.capture.delta import RACY_NS
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox import freezer
 from belayer_env.sandbox.treehash import tree_hash
@@ -218,6 +218,7 @@ def test_mirror_keeps_the_scanned_mtime_of_a_directory_criu_touches(tmp_path, mo
     checkpoint's layer) must keep the scanned mtime, the one its index records, or the first
     capture after a restore of that checkpoint finds /tmp "unchanged" yet different (seen
     once at load ~50: "1 entries unchanged since the restore of ... differ ... 'tmp'")."""
+    from belayer_env.capture import delta as frozen_delta
     from belayer_env.capture import incremental
 
     upper, scratch = tmp_path / "upper", tmp_path / "scratch"
@@ -225,21 +226,21 @@ def test_mirror_keeps_the_scanned_mtime_of_a_directory_criu_touches(tmp_path, mo
     (upper / "work").mkdir()
     (upper / "work" / "a").write_text("a")
     scratch.mkdir()
-    real_copy = incremental.copy_entries
+    real_copy = frozen_delta.copy_entries
 
     def criu_touches_tmp(up, paths, *args):
         (up / "tmp" / ".criu.mntns.X").mkdir()  # after the scan, before the copy
         (up / "tmp" / ".criu.mntns.X").rmdir()
         real_copy(up, paths, *args)
 
-    monkeypatch.setattr(incremental, "copy_entries", criu_touches_tmp)
-    delta = incremental.Delta(upper, scratch, incremental.Base("none"), None)
+    monkeypatch.setattr(frozen_delta, "copy_entries", criu_touches_tmp)
+    delta = frozen_delta.Delta(upper, scratch, frozen_delta.Base("none"), None)
     delta.start()
     delta.wait()
     assert "tmp" in delta.changed
     mirror = incremental.Mirror(tmp_path / "mirror")
     incremental.update(mirror, upper, delta, "ck1")
-    index, now = mirror.read()["entries"], incremental.scan(mirror.tree)
+    index, now = mirror.read()["entries"], frozen_delta.scan(mirror.tree)
     assert now.keys() == index.keys()
     for path in index:
         assert incremental._same_entry(now[path], index[path]), (path, now[path], index[path])
