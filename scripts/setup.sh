@@ -245,12 +245,14 @@ if [ "${BELAYER_SKIP_SGLANG:-0}" = 1 ]; then
   step "SGLang"; info "skipped (BELAYER_SKIP_SGLANG=1)"
 else
   bash "$ROOT/scripts/setup_sglang.sh"
+  bash "$ROOT/scripts/setup_sglang_router.sh"   # benchmark dep: sglang-router beside `belayer serve router`
 fi
 
 bash "$ROOT/scripts/setup_skyrl.sh"         # test deps: skyrl-gym, then mini-swe-agent in its own venv
 bash "$ROOT/scripts/setup_minisweagent.sh"
 bash "$ROOT/scripts/setup_areal.sh"            # test dep: AReaL's SGLang client in its own venv
 bash "$ROOT/scripts/setup_trl.sh"              # test dep: TRL in its own venv (belayer/examples/trl_grpo/)
+bash "$ROOT/scripts/setup_verl.sh"             # test dep: verl's agent-loop path in its own venv (belayer/wrappers/verl/)
 
 step "Ready"
 command -v belayer >/dev/null && belayer doctor || true

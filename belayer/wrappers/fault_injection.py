@@ -33,6 +33,9 @@ class FaultInjectionConfig(StrictModel):
     max_delay_s: float = Field(0.3, ge=0)
     """An action fault fires uniformly within this many seconds after the step starts."""
     seed: int | None = None
+    episodes: int | None = Field(None, ge=0)
+    """Fire only in the first this many episodes (``reset`` calls) of this wrapper; None: in every one
+    (an ``InfraPolicy`` retry resets the same env: ``episodes=1`` spares the fresh sandbox)."""
 
 
 class FaultInjection(gym.Wrapper):
@@ -41,6 +44,7 @@ class FaultInjection(gym.Wrapper):
         self.config = FaultInjectionConfig.merged(config or FaultInjectionConfig(), overrides)
         self.rng = random.Random(self.config.seed)
         self._context = {"call": 0}
+        self._episodes = 0
         self.injector = FaultInjector(self.env.unwrapped, context=self._context)
 
     @property
@@ -49,18 +53,26 @@ class FaultInjection(gym.Wrapper):
 
     # ------------------------------------------------------------------ gymnasium API
 
+    @property
+    def armed(self) -> bool:
+        """Whether faults fire in this episode (``episodes``)."""
+        return self.config.episodes is None or self._episodes <= self.config.episodes
+
     def reset(self, **kwargs: Any) -> Any:
         self.injector.cancel()
         self._context["call"] = 0
+        self._episodes += 1
+        if not self.armed:
+            self.injector.disarm()  # a capture or restore armed in an earlier episode stays unharmed
         result = self.env.reset(**kwargs)
-        for at, kind in self.config.at_times.items():
+        for at, kind in self.config.at_times.items() if self.armed else ():
             self.fire(kind, delay_s=float(at))
         return result
 
     def step(self, action: Any) -> Any:
         self._context["call"] += 1
-        kind = self.config.at_steps.get(self._context["call"])
-        if kind is None and self.config.kinds and self.rng.random() < self.config.probability:
+        kind = self.config.at_steps.get(self._context["call"]) if self.armed else None
+        if kind is None and self.armed and self.config.kinds and self.rng.random() < self.config.probability:
             kind = self.rng.choice(self.config.kinds)
         if kind is not None:
             self.fire(kind, delay_s=self.rng.uniform(0, self.config.max_delay_s))

@@ -4,7 +4,8 @@ nothing here imports it at import time).
 - ``generate``: for ``--custom-generate-function-path belayer.wrappers.slime.generate``
   (``async def generate(args, sample, sampling_params)``): one multi-turn episode in a
   ``RecoverableSandboxEnv``, token in, token out through SGLang's native ``/generate``
-  (``rollout``).
+  (``rollout``); ``keep_group`` for ``--dynamic-sampling-filter-path`` drops the prompt group
+  of a sample the infrastructure policy dropped.
 - ``BelayerSandbox``: slime's ``Sandbox`` protocol (``slime/agent/sandbox.py``: ``exec``,
   ``write_file``, ``read_file``, async context) over a ``DockerSandbox`` or an env
   (``sandbox``).
@@ -19,6 +20,7 @@ _LAZY = {
     "generate": ".rollout",
     "run_episode": ".rollout",
     "EpisodeConfig": ".rollout",
+    "keep_group": ".rollout",
     "BelayerSandbox": ".sandbox",
     "SandboxRolledBack": ".sandbox",
 }

@@ -176,7 +176,8 @@ def test_a_fault_free_episode_fills_the_sample_as_slime_reads_it(golden):
         assert e < b and set(s.rollout_log_probs[e:b]) == {0.0}
     assert s.response.count("<returncode>") == 2  # observations of turns 1 and 2 (turn 3 ends it)
     assert s.weight_versions == [s.weight_versions[0]] * 3  # one per model call, one version
-    assert s.metadata["belayer"] == {"rollbacks": [], "worker_recoveries": 0, "turns": 3, "recovered": False}
+    assert s.metadata["belayer"] == {"rollbacks": [], "worker_recoveries": 0, "turns": 3, "recovered": False,
+                                     "fresh_sandbox_retries": 0, "retried_after": []}
 
 
 def test_a_killed_container_rolls_back_and_the_sample_is_cut_to_the_same_boundary(engine, golden):
@@ -225,26 +226,50 @@ def test_the_serving_worker_sigkilled_mid_turn_is_continued_by_the_engine(engine
     poll(lambda: engine.worker_pid(0) not in (None, killed["pid"]), 120, "the shadow to serve slot 0")
 
 
-def test_the_sample_is_aborted_only_when_recovery_is_exhausted(engine, golden):
+UNRECOVERABLE = {"checkpoint_policy": "never", "env": {**EPISODE["env"], "recovery_attempts": 1},
+                 # seed 1: the restore armed at turn 1 fails at "created", then the container dies in turn 2
+                 "faults": {"at_steps": {1: "restore_fail", 2: "kill"}, "max_delay_s": 0.0, "seed": 1}}
+
+
+def test_a_sample_beyond_recovery_is_retried_in_a_fresh_sandbox(engine, golden):
     """No checkpoints, one recovery attempt allowed, and that restore (boundary 0's fresh
-    sandbox) armed to fail (the project's injector: ``restore_fail`` at turn 1, then a real
-    SIGKILL of the container in turn 2): the env gives up with an ``InfraError``; the sample
-    is ABORTED with ``remove_sample`` (slime zeroes its loss mask: not trained on), labelled,
-    and holds the consistent prefix up to boundary 1, never an infra error as an observation.
-    Every turn's container killed instead: the episode's rollback budget runs out the same way."""
-    s = run(slime_args(engine), checkpoint_policy="never", env={**EPISODE["env"], "recovery_attempts": 1},
-            faults={"at_steps": {1: "restore_fail", 2: "kill"}, "max_delay_s": 0.0, "seed": 1})  # seed 1: at "created"
-    assert s.status == SlimeSample.Status.ABORTED and s.remove_sample and s.reward == 0.0
-    assert s.metadata["belayer"]["failed"] in ("RestoreFailed", "SandboxLost", "InjectedFault"), s.metadata
+    sandbox) armed to fail, then a real SIGKILL of the container in turn 2 (in the first
+    sandbox only: ``episodes: 1``): the env gives up, the infrastructure policy resets a fresh
+    sandbox (a rollback to 0), the sample regenerates from its prompt and equals the fault-free
+    one, labelled."""
+    s = run(slime_args(engine), **{**UNRECOVERABLE, "faults": {**UNRECOVERABLE["faults"], "episodes": 1}})
+    label = s.metadata["belayer"]
+    assert label["fresh_sandbox_retries"] == 1 and "dropped" not in label, label
+    assert label["retried_after"][0]["error"] in ("RestoreFailed", "SandboxLost", "InjectedFault"), label
+    assert label["rollbacks"][-1]["to_step"] == 0 and label["rollbacks"][-1]["fresh_sandbox"] == 1
+    assert s.status == SlimeSample.Status.TRUNCATED and not s.remove_sample
+    assert_same_sample(s, golden)
+
+
+def test_past_its_retries_the_sample_is_dropped_with_its_group(engine, golden):
+    """The same faults in every sandbox: after the policy's 2 fresh sandboxes the sample is
+    ABORTED with ``remove_sample`` and no reward (never 0), labelled, holding only a consistent
+    prefix; slime's dynamic filter (``keep_group``) drops its whole prompt group. A sandbox
+    whose every command is killed spends its rollback budget (``infra.max_rollbacks``) the same way."""
+    from belayer.wrappers.slime import keep_group
+
+    s = run(slime_args(engine), **UNRECOVERABLE)
+    label = s.metadata["belayer"]
+    assert s.status == SlimeSample.Status.ABORTED and s.remove_sample and s.reward is None
+    assert len(label["dropped"]) == 3 and label["fresh_sandbox_retries"] == 3, label
+    assert set(label["dropped"]) <= {"RestoreFailed", "SandboxLost", "InjectedFault"}, label
     first = model_spans(golden)[1][0]  # boundary 1: turn 1 and its observation
     assert s.tokens == golden.tokens[: len(golden.tokens) - golden.response_length + first]
     assert s.loss_mask == golden.loss_mask[:first] and s.response_length == first
     assert "SandboxLost" not in s.response and "Restore" not in s.response
+    assert keep_group(slime_args(engine), [golden, s]) is False  # slime: DynamicFilterOutput(keep=False, ...)
+    assert keep_group(slime_args(engine), [golden, golden]) is True
 
-    s = run(slime_args(engine), max_rollbacks=2, faults={"probability": 1.0, "kinds": ["kill"], "max_delay_s": 0.0})
-    assert s.status == SlimeSample.Status.ABORTED and s.remove_sample and s.reward == 0.0
-    assert s.metadata["belayer"]["failed"] == "more than 2 rollbacks"
-    assert len(s.metadata["belayer"]["rollbacks"]) == 3 and s.response_length == 0
+    s = run(slime_args(engine), infra={"max_rollbacks": 2, "retries": 0},
+            faults={"probability": 1.0, "kinds": ["kill"], "max_delay_s": 0.0})
+    assert s.status == SlimeSample.Status.ABORTED and s.remove_sample and s.reward is None
+    assert s.metadata["belayer"]["dropped"] == ["RollbackBudgetSpent"]
+    assert len(s.metadata["belayer"]["rollbacks"]) == 2 and s.response_length == 0
     assert s.tokens == golden.tokens[: len(golden.tokens) - golden.response_length]
 
 
