@@ -53,6 +53,10 @@ class ArenaClient:
     def describe(self) -> dict:
         return self._call({"op": "describe"})
 
+    def op(self, name: str, **fields) -> dict:
+        """An op one of the arena's exports answers (e.g. the SGLang KV pool's ``kv_reaped``)."""
+        return self._call({"op": name, **fields})
+
     def health(self) -> dict:
         return self._call({"op": "health"})
 

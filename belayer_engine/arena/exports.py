@@ -43,6 +43,9 @@ class ArenaExport(Protocol):
     def update_weights(self, tensors: Mapping[str, Any], version: int) -> None:
         """Write ``tensors`` as ``version`` (the arena holds its update lock)."""
 
+    def on_version(self, version: int) -> None:
+        """The arena serves ``version`` from now on (called after every weight update)."""
+
     def ops(self) -> Mapping[str, Callable[[dict, int], dict]]:
         """Control-socket ops this export answers: ``op -> handler(message, arena_version)``."""
 

@@ -175,6 +175,8 @@ class ArenaServer:
         for export in self.exports:  # in place, their servers paused meanwhile
             if export.holds_weights:
                 export.update_weights(tensors, version)
+        for export in self.exports:
+            export.on_version(version)
 
     def _update_weight_cache_only(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
         """No reference slots: an export's weights are the only copy; written in place while

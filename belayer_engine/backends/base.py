@@ -64,9 +64,16 @@ class WorkerBackend(Protocol):
         """True once a started worker (or shadow) can be routed to (or promoted)."""
         ...
 
-    async def promote(self, session: aiohttp.ClientSession, url: str, timeout: float) -> float | None:
+    async def promote(self, session: aiohttp.ClientSession, url: str, timeout: float,
+                      predecessor: str | None = None) -> float | None:
         """Turn a fenced slot's shadow into its worker; returns the worker's own seconds
-        (None if it does not say). Raises WorkerLost."""
+        (None if it does not say). ``predecessor``: the URL of the worker it replaces (whose
+        in-flight requests it may adopt). Raises WorkerLost."""
+        ...
+
+    async def reaped(self, session: aiohttp.ClientSession, url: str) -> None:
+        """The process group of the worker or shadow at ``url`` is gone (fenced and reaped):
+        nothing of it can write shared memory again."""
         ...
 
     async def healthy(self, session: aiohttp.ClientSession, url: str, timeout: float) -> bool:

@@ -28,6 +28,18 @@ class SupervisorConfig(BaseModel):
                                         "that needs more); None = the backend's default (256), 0 = the driver's "
                                         "(1 KiB)")
 
+    sglang_kv: Literal["arena", "server"] | None = Field(
+        default=None, description="sglang backend: where the KV pool lives. 'arena' (None: the default): in the "
+                                  "slot's arena, mapped by worker and shadow; the shadow adopts the dead worker's "
+                                  "in-flight requests with their KV (no re-prefill). 'server': in each SGLang server")
+    sglang_kv_tokens: int | None = Field(
+        default=None, ge=64, description="sglang backend: the KV pool in tokens (SGLang's --max-total-tokens); None = "
+                                         "--max-total-tokens in worker_args, else 4,096")
+    sglang_kv_reserve_tokens: int | None = Field(
+        default=None, ge=1, description="sglang backend, sglang_kv='arena': pool slots the serving worker never "
+                                        "takes (its shadow's; the promoted shadow's until the dead worker is reaped); "
+                                        "None = 1/16 of the pool within [512, 16,384]")
+
     workers: int = Field(default=1, ge=1)
     shadow: bool = True
     device: str = Field(default="cpu", description="'cpu', 'cuda' (slot i -> cuda:i) or 'cuda:N'")
@@ -54,7 +66,8 @@ class SupervisorConfig(BaseModel):
     def _sglang_options_need_sglang(self) -> SupervisorConfig:
         if self.backend != "sglang":
             given = [name for name in ("sglang_venv", "sglang_shadow_memory_saver", "sglang_shadow_release_graphs",
-                                       "sglang_cuda_stack_bytes") if getattr(self, name) is not None]
+                                       "sglang_cuda_stack_bytes", "sglang_kv", "sglang_kv_tokens",
+                                       "sglang_kv_reserve_tokens") if getattr(self, name) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to backend='sglang' (backend is {self.backend!r})")
         return self
@@ -73,7 +86,8 @@ def make_backend(config: SupervisorConfig):
         return SGLangBackend(config.model, config.worker_args, config.sglang_venv, device=config.device,
                              shadow_memory_saver=config.sglang_shadow_memory_saver,
                              shadow_release_graphs=bool(config.sglang_shadow_release_graphs),
-                             cuda_stack_bytes=config.sglang_cuda_stack_bytes)
+                             cuda_stack_bytes=config.sglang_cuda_stack_bytes, kv=config.sglang_kv or "arena",
+                             kv_tokens=config.sglang_kv_tokens, kv_reserve_tokens=config.sglang_kv_reserve_tokens)
     from belayer_engine.backends.reference.launcher import ReferenceBackend
 
     return ReferenceBackend(config.worker_args)

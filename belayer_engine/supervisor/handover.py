@@ -55,7 +55,7 @@ class Handover:
             # promoted while the arena check runs; it is routed only if the arena is fine.
             early = None
             if reaped is False and not again:
-                early = asyncio.create_task(self._take_shadow(slot))
+                early = asyncio.create_task(self._take_shadow(slot, proc))
             try:
                 arena_ok = await self._arena_ok(slot, await health)
             except BaseException:
@@ -70,7 +70,7 @@ class Handover:
                     await self._exclude(slot, f"replacement failed again {t0 - slot.promoted_at:.2f}s after handover: {reason}")
                     return
                 self._event(slot, "not_excluded", reason=f"{suspects} replayed request(s) without a token on the failed worker")
-            new, path = (await early if early is not None else await self._take_shadow(slot)), "shadow"
+            new, path = (await early if early is not None else await self._take_shadow(slot, proc)), "shadow"
             if new is None:
                 path = "cold"
                 try:
@@ -103,6 +103,7 @@ class Handover:
         assert self._procs is not None
         if not self._procs.backend.isolated_kv:
             await fence(proc, self.config.fence_timeout_s)
+            await self._procs.reaped(proc)
             return True
         kill_group(proc)
 
@@ -115,14 +116,16 @@ class Handover:
                 self._event(slot, "reap_failed", pid=proc.pid, reason=str(exc))
                 return
             self._event(slot, "reaped", pid=proc.pid, reap_s=time.monotonic() - t0)
+            await self._procs.reaped(proc)  # e.g. the arena's KV pool: the successor may allocate anywhere
 
         task = asyncio.create_task(reap())
         self._reaps.add(task)
         task.add_done_callback(self._reaps.discard)
         return False
 
-    async def _take_shadow(self, slot: Slot) -> Proc | None:
-        """Activate the slot's shadow (awaiting one that is still arming); None if there is none."""
+    async def _take_shadow(self, slot: Slot, predecessor: Proc | None = None) -> Proc | None:
+        """Activate the slot's shadow (awaiting one that is still arming) in place of
+        ``predecessor``; None if there is none."""
         assert self._procs is not None
         if slot.shadow is None and slot.arming is not None:
             with contextlib.suppress(Exception):
@@ -132,7 +135,7 @@ class Handover:
             return None
         t0 = time.monotonic()
         try:
-            took = await self._procs.promote(shadow)
+            took = await self._procs.promote(shadow, predecessor)
         except WorkerLost as exc:
             log.warning("slot %s: shadow activation failed (%s); cold start instead", slot.name, exc)
             await fence(shadow, self.config.fence_timeout_s)

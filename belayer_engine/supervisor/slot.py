@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from belayer_engine.common.routing import Endpoint
 from belayer_engine.supervisor.config import SupervisorConfig
 from belayer_engine.supervisor.fork_template import ForkTemplate
 from belayer_engine.supervisor.processes import Proc, fence, spawn, wait_until
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -129,10 +132,21 @@ class SlotProcesses:
                 await fence(proc, self.config.fence_timeout_s)
             raise
 
-    async def promote(self, shadow: Proc) -> float | None:
-        """Make ``shadow`` the slot's worker (only after the old worker is fenced); raises WorkerLost."""
+    async def promote(self, shadow: Proc, predecessor: Proc | None = None) -> float | None:
+        """Make ``shadow`` the slot's worker (only after the old worker, ``predecessor``, is
+        fenced); raises WorkerLost."""
         assert shadow.url is not None
-        return await self.backend.promote(self.session, shadow.url, self.config.start_timeout_s)
+        return await self.backend.promote(self.session, shadow.url, self.config.start_timeout_s,
+                                          predecessor=predecessor.url if predecessor is not None else None)
+
+    async def reaped(self, proc: Proc) -> None:
+        """Tell the backend that ``proc``'s process group is gone (logged, never raised)."""
+        if proc.url is None:
+            return
+        try:
+            await self.backend.reaped(self.session, proc.url)
+        except Exception as exc:  # the arena is checked on its own; this is bookkeeping
+            log.warning("%s: the backend's reap notice failed: %s", proc.name, exc)
 
     async def healthy(self, proc: Proc) -> bool:
         """One cheap liveness probe."""

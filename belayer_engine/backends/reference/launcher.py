@@ -44,7 +44,11 @@ class ReferenceBackend:
             return status == 200 and body.get("state") == "shadow"
         return (await http_status(session, url + "/health"))[0] == 200
 
-    async def promote(self, session: aiohttp.ClientSession, url: str, timeout: float) -> float | None:
+    async def reaped(self, session: aiohttp.ClientSession, url: str) -> None:
+        return None  # the arena's live-KV lease already went with the dead worker's connection
+
+    async def promote(self, session: aiohttp.ClientSession, url: str, timeout: float,
+                      predecessor: str | None = None) -> float | None:
         try:
             async with session.post(url + "/belayer/activate", json={},
                                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:

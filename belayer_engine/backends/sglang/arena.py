@@ -1,10 +1,12 @@
 """The arena of an SGLang slot: the arena process with SGLang's exports plugged in.
 
 ``python -m belayer_engine.backends.sglang.arena`` takes every flag of the plain arena
-(``belayer_engine.arena.config``) and ``--weight-cache-socket PATH``: the weights are then
-also served in SGLang's layout over SGLang's weight-cache protocol (``weight_cache.py``),
-so every SGLang worker and shadow of the slot maps one copy. ``belayer serve arena`` runs
-this entry point. The arena itself never imports a backend: it is handed the exports.
+(``belayer_engine.arena.config``), ``--weight-cache-socket PATH`` (the weights are then also
+served in SGLang's layout over SGLang's weight-cache protocol, ``weight_cache.py``, so every
+SGLang worker and shadow of the slot maps one copy) and ``--kv-pool`` (the slot's KV pool
+lives here too, ``kv_pool.py``: a dead server's KV survives it and its shadow adopts it).
+``belayer serve arena`` runs this entry point. The arena itself never imports a backend: it
+is handed the exports.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from belayer_core.config_flags import ConfigFlags
 from belayer_engine.arena.config import ArenaConfig
 from belayer_engine.arena.exports import ArenaExport, ExportContext, ExportFactory
 from belayer_engine.arena.server import serve
+from belayer_engine.backends.sglang.kv_pool import KvPoolExport
 from belayer_engine.backends.sglang.weight_cache import WeightCacheExport
 
 
@@ -25,6 +28,9 @@ class SGLangArenaConfig(ArenaConfig):
     """The arena's options and what SGLang's workers map from it."""
 
     weight_cache_socket: str | None = Field(None, description="also serve SGLang's weight-cache protocol on this Unix socket")
+    kv_pool: bool = Field(False, description="hold the SGLang servers' KV pool, request tables and journals (adoption)")
+    kv_reserve_tokens: int = Field(1024, ge=1, description="with --kv-pool: KV slots the serving worker never "
+                                   "allocates (its shadow's warm-up, and the promoted shadow's first allocations)")
 
 
 FLAGS = ConfigFlags(SGLangArenaConfig)
@@ -44,6 +50,13 @@ def exports(cfg: SGLangArenaConfig) -> list[ExportFactory]:
             return WeightCacheExport(ctx.model, ctx.weights, socket_path, ctx.device)
 
         out.append(weight_cache)
+    if cfg.kv_pool:
+        reserve = cfg.kv_reserve_tokens
+
+        def kv_pool(ctx: ExportContext) -> ArenaExport:
+            return KvPoolExport(ctx, reserve)
+
+        out.append(kv_pool)
     return out
 
 

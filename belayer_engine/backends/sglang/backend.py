@@ -6,6 +6,13 @@ one copy. A shadow is a started SGLang server kept out of the routing table (SGL
 "do not serve" mode). Ready = ``/health`` answers 200, the shadow has run its warm-up, and
 the arena registered the server (flushed, version set; every weight update re-syncs it).
 
+Where the KV lives (``kv``): ``"arena"`` (the default) puts the slot's KV pool in the arena
+too (``kv_pool.py``, ``kv_hooks/``): worker and shadow map one pool, the idle shadow holds no
+second one, and on promotion the shadow adopts the dead worker's in-flight requests with
+their KV (``belayer_adopt``), so the router's re-sent ``prompt + generated`` ids are a
+prefix-cache hit and only the last token is prefilled. ``"server"``: each server owns its KV,
+as below (the shadow's KV resident, or released by the memory saver).
+
 What a shadow does before it waits: a warm-up (two short greedy requests: every kernel of
 a prefill and a decode is loaded and compiled, so the first request after promotion pays
 none of it), then, on a GPU with ``torch_memory_saver`` in SGLang's environment, it
@@ -28,7 +35,15 @@ from pathlib import Path
 
 from belayer_core.errors import BelayerError, ConfigError, WorkerLost
 
-from .launcher import has_package, inherited_expandable, is_cpu, kv_pool_mib, venv_dir, venv_python
+from .launcher import (
+    has_package,
+    inherited_expandable,
+    is_cpu,
+    kv_plan,
+    kv_pool_mib,
+    venv_dir,
+    venv_python,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +59,7 @@ RESIDENT_KV_MIB = 768
 # Per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB). 256 saves ~200 MiB per
 # server on an H200 (measured: 1,868 -> 1,670 MiB, same greedy ids); see gpu_hooks/README.md.
 DEFAULT_CUDA_STACK_BYTES = 256
+ADOPT_TAG = "belayer_adopt:"  # kv_hooks/belayer_kv_patch.py: adopt that server's journaled requests
 PREFILL_GRAPH_FLAGS = ("--cuda-graph-max-bs-prefill", "--piecewise-cuda-graph-max-tokens", "--disable-prefill-cuda-graph")
 
 
@@ -56,7 +72,8 @@ class SGLangBackend:
 
     def __init__(self, model: str | None, extra_args: list[str] | None = None, venv: str | None = None,
                  device: str = "cpu", shadow_memory_saver: bool | None = None,
-                 shadow_release_graphs: bool = False, cuda_stack_bytes: int | None = None) -> None:
+                 shadow_release_graphs: bool = False, cuda_stack_bytes: int | None = None,
+                 kv: str = "arena", kv_tokens: int | None = None, kv_reserve_tokens: int | None = None) -> None:
         if model is None:
             from .model_dir import embedded_config, ensure_embedded_model
 
@@ -66,6 +83,15 @@ class SGLangBackend:
         self.venv = venv
         self.extra_args = list(extra_args or [])
         venv_python(venv)  # fail now, naming the set-up script, not after a 3-minute timeout
+        if kv not in ("arena", "server"):
+            raise ConfigError(f"sglang_kv must be 'arena' or 'server', not {kv!r}")
+        self.kv = kv
+        if kv == "arena" and (shadow_memory_saver or shadow_release_graphs):
+            raise ConfigError("sglang_shadow_memory_saver / _release_graphs: with sglang_kv='arena' the shadow holds "
+                              "no KV pool of its own to release (use sglang_kv='server')")
+        self.kv_tokens, self.kv_reserve_tokens = kv_plan(kv_tokens, kv_reserve_tokens, self.extra_args)
+        if kv == "arena":
+            shadow_memory_saver = False
         self.shadow_memory_saver = self._saver_wanted(device, shadow_memory_saver)
         if cuda_stack_bytes and is_cpu(device):
             raise ConfigError(f"sglang_cuda_stack_bytes={cuda_stack_bytes} needs a CUDA device; device is cpu")
@@ -109,9 +135,12 @@ class SGLangBackend:
         return str(Path(slot.run_dir) / f"wcache-{slot.name}.sock")
 
     def arena_argv(self, slot) -> list[str]:
-        # KV lives inside each SGLang server and the weights in SGLang's layout only.
-        return ["--model-dir", self.model, "--weight-cache-socket", self.weight_cache_socket(slot),
+        # The weights in SGLang's layout only; the KV pool there too (kv="arena") or in each server.
+        argv = ["--model-dir", self.model, "--weight-cache-socket", self.weight_cache_socket(slot),
                 "--no-reference-slots"]
+        if self.kv == "arena":
+            argv += ["--kv-pool", "--kv-reserve-tokens", str(self.kv_reserve_tokens)]
+        return argv
 
     def worker_argv(self, slot, spec) -> list[str]:
         self._arena_of[f"http://{spec.host}:{spec.port}"] = str(slot.arena_socket)
@@ -121,6 +150,8 @@ class SGLangBackend:
                 "--key-dir", str(slot.run_dir)]
         if self.venv:
             argv += ["--venv", self.venv]
+        if self.kv == "arena":
+            argv += ["--kv-arena", str(slot.arena_socket), "--kv-role", "shadow" if spec.shadow else "worker"]
         if self.cuda_stack_bytes and not is_cpu(slot.device):
             argv += ["--cuda-stack-bytes", str(self.cuda_stack_bytes)]
         if spec.shadow and self.shadow_memory_saver:
@@ -132,7 +163,8 @@ class SGLangBackend:
             # Prefill CUDA graphs for the re-prefill after a handover, kept small (SGLang's
             # default goes up to the chunked-prefill size, capped at max_total_tokens).
             argv += ["--cuda-graph-max-bs-prefill", str(SHADOW_PREFILL_GRAPH_TOKENS)]
-        return argv + (["--shadow"] if spec.shadow else []) + self.extra_args
+        argv += ["--shadow"] if spec.shadow else []
+        return argv + self.extra_args + ["--max-total-tokens", str(self.kv_tokens)]
 
     def worker_env(self, base: dict[str, str]) -> dict[str, str]:
         return dict(base)  # server.py builds SGLang's own environment before it execs
@@ -175,25 +207,28 @@ class SGLangBackend:
             self._released.add(url)
         return True
 
-    async def _memory(self, session, url: str, action: str, timeout: float) -> None:
+    async def _memory(self, session, url: str, action: str, timeout: float, tags: list[str] | None = None) -> None:
         """``/release_memory_occupation`` or ``/resume_memory_occupation`` of what this
-        backend releases; WorkerLost when the server refuses."""
+        backend releases (or of ``tags``: the KV hook's adoption); WorkerLost when refused."""
         import aiohttp
 
         try:
-            async with session.post(f"{url}/{action}_memory_occupation", json={"tags": list(self.releasable)},
+            async with session.post(f"{url}/{action}_memory_occupation", json={"tags": tags or list(self.releasable)},
                                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:
                     raise WorkerLost(f"{url}/{action}_memory_occupation answered {resp.status}: {(await resp.text())[:200]}")
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise WorkerLost(f"{url}/{action}_memory_occupation failed: {exc!r}") from exc
 
-    async def promote(self, session, url: str, timeout: float) -> float | None:
-        """Resume what the shadow released while the arena says whether it is still
-        registered (both before anything is routed to it); re-sync it if it is not."""
+    async def promote(self, session, url: str, timeout: float, predecessor: str | None = None) -> float | None:
+        """Resume what the shadow released, or adopt the dead worker's requests (kv="arena"),
+        while the arena says whether it is still registered (all before anything is routed to
+        it); re-sync it if it is not."""
         t0 = time.perf_counter()
         synced = asyncio.create_task(self._synced(url))
         try:
+            if self.kv == "arena" and predecessor:
+                await self._memory(session, url, "resume", timeout, tags=[ADOPT_TAG + predecessor])
             if url in self._released:
                 await self._memory(session, url, "resume", timeout)
                 self._released.discard(url)
@@ -221,6 +256,16 @@ class SGLangBackend:
         except BelayerError as exc:
             raise WorkerLost(f"promote: arena check of {url} failed: {exc}") from exc
         return any(s["url"] == url for s in info.get("servers", []))
+
+    async def reaped(self, session, url: str) -> None:
+        """The server's process group is gone: its successor may allocate anywhere in the pool
+        and its own reserve goes to the next shadow (kv="arena")."""
+        arena = self._arena_of.pop(url, None)
+        if self.kv != "arena" or arena is None:
+            return
+        from belayer_engine.arena.client import ArenaClient
+
+        await asyncio.to_thread(ArenaClient(arena, timeout=30).op, "kv_reaped", sid=url)
 
     async def healthy(self, session, url: str, timeout: float) -> bool:
         import aiohttp

@@ -22,6 +22,7 @@ from belayer_core.errors import ConfigError
 DEFAULT_VENV = "/opt/belayer/sglang-venv"
 SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
 GPU_HOOKS_DIR = Path(__file__).resolve().parent / "gpu_hooks"
+KV_HOOKS_DIR = Path(__file__).resolve().parent / "kv_hooks"
 SETUP_HINT = "run `bash scripts/setup_sglang.sh` (or set BELAYER_SGLANG_VENV to an SGLang venv)"
 
 
@@ -57,6 +58,11 @@ class SGLangServerConfig(BaseModel):
         "GPU only: torch's cuBLAS workspace per handle and stream (CUBLAS_WORKSPACE_CONFIG). None: 8 MiB on "
         "a one-GPU server (~156 MiB less per server on an H200 than torch's 32, same greedy ids and batch "
         "decode time); 0: torch's default; a CUBLAS_WORKSPACE_CONFIG in the environment wins"))
+    kv_arena: str | None = Field(default=None, description=(
+        "the arena's control socket when the KV pool lives in the arena (kv_hooks/): the server maps the "
+        "arena's pool and request table, journals what a successor may adopt; None: the server owns its KV"))
+    kv_role: str = Field(default="worker", pattern="^(worker|shadow)$", description="with kv_arena: this server's role")
+    kv_sid: str | None = Field(default=None, description="with kv_arena: the server's id in the arena (its URL)")
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -110,6 +116,10 @@ def server_argv(cfg: SGLangServerConfig) -> list[str]:
             argv += ["--base-gpu-id", cfg.device.split(":", 1)[1]]
     if cfg.weight_cache_socket:
         argv += ["--weight-cache-mode", "client", "--weight-cache-socket", cfg.weight_cache_socket]
+    if cfg.kv_arena:
+        if cfg.memory_saver:
+            raise ConfigError("kv_arena: the KV pool is the arena's, the memory saver has no KV to release")
+        argv += ["--page-size", "1"]  # the arena's pool and a successor's adoption are per token
     if cfg.memory_saver:
         argv.append("--enable-memory-saver")
         if cfg.memory_saver_graphs:  # prefill ("breakable") CUDA graphs cannot be captured under its graph hook
@@ -169,6 +179,27 @@ def tp_size(extra_args: list[str]) -> int:
     """The tensor-parallel size SGLang flags in ``extra_args`` ask for (1 when none do)."""
     value = flag_value(extra_args, TP_FLAGS) or ""
     return int(value) if value.isdigit() else 1
+
+
+RESERVE_MIN, RESERVE_MAX = 512, 16384
+
+
+def kv_plan(tokens: int | None, reserve: int | None, extra_args: list[str]) -> tuple[int, int]:
+    """The KV pool's size in tokens (every server's ``--max-total-tokens``) and the reserve
+    beside it (``kv_pool.py``). ``tokens``: given, else ``--max-total-tokens`` in
+    ``extra_args``, else the launcher's default. ``reserve``: given, else 1/16 of the pool
+    within [512, 16,384]: room for the promoted shadow's first allocations (one token per
+    adopted request, then decode) until the dead server is reaped (~0.5-1.5 s on a GPU)."""
+    if tokens is None:
+        flag = flag_value(extra_args, ("--max-total-tokens",))
+        tokens = int(flag) if flag and flag.isdigit() else SGLangServerConfig.model_fields["max_total_tokens"].default
+    if tokens < 64:
+        raise ConfigError(f"sglang_kv_tokens={tokens}: a KV pool needs at least 64 tokens")
+    if reserve is None:
+        reserve = min(RESERVE_MAX, max(RESERVE_MIN, tokens // 16))
+    if reserve < 1:
+        raise ConfigError(f"sglang_kv_reserve_tokens={reserve}: must be at least 1")
+    return tokens, reserve
 
 
 def kv_pool_mib(model_path: str, extra_args: list[str]) -> float | None:
@@ -237,6 +268,10 @@ def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> d
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if mib := cublas_workspace_mib(cfg):  # torch reads ":KiB:count" pairs
             env.setdefault("CUBLAS_WORKSPACE_CONFIG", f":4096:{mib // 4}")
+    if cfg.kv_arena:  # first on the path: its sitecustomize runs the next one (the stand-ins, gpu_hooks)
+        env.update(BELAYER_KV_ARENA=cfg.kv_arena, BELAYER_KV_ROLE=cfg.kv_role,
+                   BELAYER_KV_SID=cfg.kv_sid or f"http://{cfg.host}:{cfg.port}")
+        paths.insert(0, str(KV_HOOKS_DIR))
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     return env

@@ -38,6 +38,8 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
     p.add_argument("--key-dir", default=None, help="where the 0600 api-key file goes (default: $TMPDIR)")
     p.add_argument("--memory-saver", action="store_true", help="GPU: the KV cache is releasable (shadows)")
     p.add_argument("--memory-saver-graphs", action="store_true", help="with --memory-saver: CUDA graphs too")
+    p.add_argument("--kv-arena", default=None, help="the arena's control socket: the KV pool is the arena's")
+    p.add_argument("--kv-role", default="worker", choices=("worker", "shadow"), help="with --kv-arena")
     p.add_argument("--cuda-stack-bytes", type=int, default=0,
                    help="GPU: the scheduler's CUDA per-thread stack limit once built (0: the driver's default)")
     args, extra = p.parse_known_args(argv)
@@ -51,7 +53,8 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
                               weight_cache_socket=args.weight_cache_socket, venv=args.venv,
                               memory_saver=args.memory_saver,
                               memory_saver_graphs=args.memory_saver_graphs,
-                              cuda_stack_bytes=args.cuda_stack_bytes, extra_args=extra)
+                              cuda_stack_bytes=args.cuda_stack_bytes, kv_arena=args.kv_arena,
+                              kv_role=args.kv_role, extra_args=extra)
 
 
 def main(argv: list[str] | None = None) -> int:

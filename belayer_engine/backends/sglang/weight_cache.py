@@ -166,6 +166,9 @@ class WeightCacheExport:
     def check_weights(self, tensors) -> None:
         self.weights.check(tensors)
 
+    def on_version(self, version: int) -> None:
+        return None  # update_weights already synced every server to it
+
     def ops(self) -> dict:
         return {"register_server": self._register_op, "weight_cache": lambda _msg, _version: self.describe()}
 

@@ -96,14 +96,16 @@ class _SchedulerHook(importlib.abc.MetaPathFinder):
 
 
 def _run_the_next_sitecustomize() -> None:
-    """Python imports one ``sitecustomize``: this one shadows any later on the path (the
-    environment's own), so run that one too."""
+    """Python imports one ``sitecustomize``: this one shadows any later on the path (another
+    hook of Belayer's, the environment's own), so run the next one after this folder."""
     import runpy
 
     here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:
-        candidate = os.path.join(entry or ".", "sitecustomize.py")
-        if os.path.abspath(entry or ".") != here and os.path.isfile(candidate):
+    dirs = [os.path.abspath(e or ".") for e in sys.path]
+    start = dirs.index(here) + 1 if here in dirs else 0
+    for entry in dirs[start:]:
+        candidate = os.path.join(entry, "sitecustomize.py")
+        if entry != here and os.path.isfile(candidate):
             runpy.run_path(candidate, run_name="sitecustomize")
             return
 

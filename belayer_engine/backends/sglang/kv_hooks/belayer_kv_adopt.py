@@ -1,0 +1,94 @@
+"""Adoption: on promotion, the shadow takes the dead server's journaled requests into its
+radix cache. Their KV stays where the dead server wrote it, in the arena's pool, so the
+router's re-sent ``prompt + generated`` ids are a cache hit and only the newest token is
+prefilled; a row the dead server was writing, or one computed with older weights, is skipped."""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+
+import belayer_kv_arena as arena
+import belayer_kv_journal as jr
+import belayer_kv_slots as slots
+from belayer_kv_alloc import apply_plan
+from belayer_kv_state import S, say, source_reaped
+
+log = logging.getLogger("belayer.kv")
+ADOPT_TAG, STATUS_TAG = "belayer_adopt:", "belayer_status"
+
+
+def patch_weight_updater(module) -> None:
+    cls = module.SchedulerWeightUpdaterManager
+    resume = cls.resume_memory_occupation
+
+    def resume_memory_occupation(self, recv_req):
+        tags = list(recv_req.tags or [])
+        ours = [t for t in tags if isinstance(t, str) and (t.startswith(ADOPT_TAG) or t == STATUS_TAG)]
+        if not ours:
+            return resume(self, recv_req)
+        for tag in ours:
+            if tag.startswith(ADOPT_TAG):
+                try:
+                    _adopt(self.scheduler, tag[len(ADOPT_TAG):])
+                except Exception as exc:  # never the scheduler's end: adopt nothing, the router re-prefills
+                    log.exception("belayer kv: adoption failed")
+                    say(f"adoption failed, nothing adopted: {type(exc).__name__}: {exc}")
+                    S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [-1, 0]
+        rest = [t for t in tags if t not in ours]
+        if rest:
+            recv_req.tags = rest
+            return resume(self, recv_req)
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqOutput
+
+        return ResumeMemoryOccupationReqOutput()
+
+    cls.resume_memory_occupation = resume_memory_occupation
+
+
+def _adopt(scheduler, source_sid: str) -> None:
+    """Take ``source_sid``'s journaled requests into this server's radix cache (their KV stays
+    in the arena's pool), then allocate only where no kernel of the dead server can write."""
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    t0 = time.perf_counter()
+    if S.promoted:
+        raise RuntimeError("already promoted")
+    if not S.source or S.source["sid"] != source_sid:
+        S.source = arena.call("kv_source", sid=source_sid)["source"]
+        if S.source is None:
+            raise RuntimeError(f"the arena knows no server {source_sid!r}")
+        S.source_journal = jr.open_journal(S.source["journal"])
+    src, table = S.source_journal, arena.tensor(S.source["table_handle"])
+    scheduler.flush_cache()  # an idle shadow: nothing of its own to keep (warm-up KV included)
+    device = S.allocator.device
+    old_reserve = torch.from_numpy(src.reserve.copy()).to(device)
+    in_reserve = torch.zeros(S.rows, dtype=torch.bool, device=device)
+    in_reserve[old_reserve] = True
+    version = int(S.journal.header[jr.H_VERSION])
+    adopted, rows_ok, tokens, skipped = [], 0, 0, 0
+    for row, committed, row_version in src.stable_rows():
+        seq = int(src.meta[row, jr.M_SEQ])
+        ids = src.row_tokens(row, committed, seq) if row_version == version else None
+        idx = table[row, :committed].to(device=device, dtype=torch.int64)
+        if ids is None or committed > table.shape[1] or bool(((idx < 1) | (idx >= S.rows)).any()) \
+                or bool(in_reserve[idx.clamp(0, S.rows - 1)].any()):
+            skipped += 1  # mid-write at the kill, older weights, or not the dead server's own slots
+            continue
+        scheduler.tree_cache.insert(InsertParams(key=RadixKey(array("q", ids.tolist())), value=idx.clone()))
+        adopted.append(idx)
+        rows_ok += 1
+        tokens += committed
+    held = torch.unique(torch.cat(adopted)) if adopted else old_reserve[:0]
+    own = slots.choose_reserve(S.rows, S.reserve, old_reserve, held, device)
+    S.journal.reserve[:] = own.cpu().numpy()
+    S.promoted, S.adopted_reserve = True, old_reserve
+    apply_plan(S.allocator, slots.promoted_plan(S.rows, old_reserve, held, own, device, source_reaped))
+    S.allocator.release_pages = S.allocator.free_pages[:0].clone()
+    S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [rows_ok, tokens]
+    arena.call("kv_promoted", sid=S.sid, predecessor=source_sid)
+    say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.numel()} slots) from {source_sid}, "
+         f"skipped {skipped}, in {1e3 * (time.perf_counter() - t0):.1f} ms")

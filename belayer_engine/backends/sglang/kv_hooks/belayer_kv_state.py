@@ -1,0 +1,42 @@
+"""What the KV hook knows in this SGLang process: its role, its journal, the worker it
+follows or took over from, and SGLang's objects it works on (set as SGLang builds them)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import belayer_kv_journal as jr
+
+
+class _State:
+    sid = os.environ.get("BELAYER_KV_SID", "")
+    role = os.environ.get("BELAYER_KV_ROLE", "worker")
+    gate_timeout_s = float(os.environ.get("BELAYER_KV_GATE_TIMEOUT_S", "60"))
+    attached: dict | None = None
+    journal: jr.Journal | None = None
+    source: dict | None = None  # the worker this server follows (shadow) or took over from
+    source_journal: jr.Journal | None = None
+    r2t = None  # this server's ReqToTokenPool
+    allocator = None
+    rows = 0
+    reserve = 0
+    promoted = False
+    adopted_reserve = None  # the old reserve, kept for clear() before the gate opens
+
+
+S = _State()
+
+
+def say(msg: str) -> None:
+    print(f"belayer kv: {msg}", file=sys.stderr, flush=True)
+
+
+def row_of(req):
+    kv = getattr(req, "kv", None)
+    return getattr(kv, "req_pool_idx", None) if kv is not None else getattr(req, "req_pool_idx", None)
+
+
+def source_reaped() -> bool:
+    """The server this one took over from (or followed, cold) is gone: reaped by the supervisor."""
+    return bool(S.source_journal is not None and S.source_journal.header[jr.H_REAPED])

@@ -1,0 +1,67 @@
+"""The journal writer: after SGLang processed a batch's results (its forward is complete),
+each running request's row says which positions have complete KV and their token ids."""
+
+from __future__ import annotations
+
+import belayer_kv_journal as jr
+from belayer_kv_alloc import open_gate
+from belayer_kv_state import S, row_of
+
+
+def patch_results(module) -> None:
+    cls = module.SchedulerBatchResultProcessor
+    prefill, decode = cls.process_batch_result_prefill, cls.process_batch_result_decode
+
+    def process_batch_result_prefill(self, batch, result, *args, **kwargs):
+        middle = [getattr(r, "inflight_middle_chunks", 0) > 0 for r in batch.reqs]  # before SGLang counts them down
+        out = prefill(self, batch, result, *args, **kwargs)
+        _journal([r for r, mid in zip(batch.reqs, middle, strict=False) if not mid])
+        return out
+
+    def process_batch_result_decode(self, batch, result, *args, **kwargs):
+        out = decode(self, batch, result, *args, **kwargs)
+        _journal(batch.reqs)
+        return out
+
+    cls.process_batch_result_prefill = process_batch_result_prefill
+    cls.process_batch_result_decode = process_batch_result_decode
+
+
+def _journal(reqs) -> None:
+    """Each running request's complete KV: every position but the newest token's (its KV is
+    written by the next forward, which may be running now)."""
+    j = S.journal
+    if j is None or S.allocator is None:
+        return
+    open_gate(S.allocator, wait=False)
+    version = int(j.header[jr.H_VERSION])
+    rows, starts, ends, fills = [], [], [], []
+    for req in reqs:
+        row = row_of(req)
+        if row is None or req.finished():
+            continue
+        origin, output = req.origin_input_ids, req.output_ids
+        committed = min(len(origin) + len(output) - 1, j.cols)
+        written = int(j.meta[row, jr.M_WRITTEN])
+        if written and int(j.meta[row, jr.M_VERSION]) != version:
+            j.invalidate([row])  # computed with older weights: never adoptable
+            continue
+        if committed <= written:
+            continue
+        rows.append(row)
+        starts.append(written)
+        ends.append(committed)
+        fills.append((origin, output))
+    if not rows:
+        return
+    j.begin(rows)
+    for row, start, end, (origin, output) in zip(rows, starts, ends, fills, strict=True):
+        n = len(origin)
+        if start < n:
+            j.tokens[row, start:min(end, n)] = origin[start:min(end, n)]
+        if end > n:
+            j.tokens[row, max(start, n):end] = output[max(start, n) - n:end - n]
+    j.meta[rows, jr.M_COMMITTED] = ends
+    j.meta[rows, jr.M_WRITTEN] = ends
+    j.meta[rows, jr.M_VERSION] = version
+    j.end(rows)

@@ -1,0 +1,76 @@
+"""Which KV slots each SGLang server may take (``kv_hooks/belayer_kv_slots.py``): no two live
+processes ever write one slot, and every server's count stays SGLang's pool size (SGLang
+raises on an idle server whose free + cached tokens differ from it)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HOOKS = Path(__file__).resolve().parents[4] / "belayer_engine" / "backends" / "sglang" / "kv_hooks"
+sys.path.insert(0, str(HOOKS))
+import belayer_kv_slots as slots  # noqa: E402
+
+ROWS, RESERVE = 1 + 64 + 8, 8  # slot 0, SGLang's pool of 64 tokens, 8 reserved beside it
+SIZE = ROWS - 1 - RESERVE  # what SGLang's allocator counts (its --max-total-tokens)
+
+
+def _set(t: torch.Tensor) -> set[int]:
+    return set(t.tolist())
+
+
+def _reserve() -> torch.Tensor:
+    return torch.arange(ROWS - RESERVE, ROWS)
+
+
+def test_a_worker_and_its_shadow_never_share_a_free_slot():
+    reserve = _reserve()
+    worker = slots.worker_plan(ROWS, reserve, "cpu", gate=None)
+    shadow = slots.shadow_plan(ROWS, SIZE, reserve, "cpu")
+    assert not _set(worker.free) & _set(shadow.free)
+    assert _set(shadow.free) == _set(reserve)
+    assert 0 not in _set(worker.free) | _set(shadow.free) | _set(shadow.hidden)  # slot 0 takes padded writes
+    assert len(worker.free) + len(worker.hidden) == SIZE
+    assert len(shadow.free) + len(shadow.hidden) == SIZE  # the hidden ones are only counted: no gate opens
+    assert shadow.gate is None
+
+
+def test_a_promoted_shadow_takes_only_the_old_reserve_until_the_dead_worker_is_reaped():
+    reserve = _reserve()
+    adopted = torch.tensor([3, 4, 5, 20, 21])
+    new = slots.choose_reserve(ROWS, RESERVE, reserve, adopted, "cpu")
+    assert len(new) == RESERVE and not _set(new) & (_set(reserve) | _set(adopted))
+    reaped = []
+    plan = slots.promoted_plan(ROWS, reserve, adopted, new, "cpu", gate=lambda: bool(reaped))
+    assert _set(plan.free) == _set(reserve)  # the dead worker never allocated there
+    assert not _set(plan.hidden) & (_set(adopted) | _set(new) | _set(reserve))
+    # free + hidden + adopted + the new reserve: every slot once; SGLang counts all but the reserve
+    assert len(plan.free) + len(plan.hidden) + len(adopted) + len(new) == ROWS - 1
+    assert len(plan.free) + len(plan.hidden) + len(adopted) == SIZE
+    assert plan.gate is not None and not plan.gate()
+    reaped.append(True)
+    assert plan.gate()
+
+
+def test_a_promoted_shadow_whose_predecessor_is_already_reaped_takes_everything_at_once():
+    reserve = _reserve()
+    adopted = torch.tensor([1, 2])
+    new = slots.choose_reserve(ROWS, RESERVE, reserve, adopted, "cpu")
+    plan = slots.promoted_plan(ROWS, reserve, adopted, new, "cpu", gate=lambda: True)
+    assert plan.gate is None and not len(plan.hidden)
+    assert _set(plan.free) == set(range(1, ROWS)) - _set(adopted) - _set(new)
+
+
+def test_a_cold_worker_after_a_dead_one_takes_nothing_before_the_reap():
+    reserve = _reserve()
+    plan = slots.worker_plan(ROWS, reserve, "cpu", gate=lambda: False)
+    assert not len(plan.free) and len(plan.hidden) == SIZE
+    assert not slots.wait_for(plan.gate, timeout_s=0.01)
+
+
+def test_a_reserve_that_cannot_be_found_is_an_error():
+    with pytest.raises(RuntimeError, match="untouched slots"):
+        slots.choose_reserve(ROWS, RESERVE, _reserve(), torch.arange(1, ROWS), "cpu")
