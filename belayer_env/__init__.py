@@ -25,7 +25,7 @@ _LAZY = {
     "fork": "belayer_env.forks.fork",
     "ForkPool": "belayer_env.forks.pool",
     "RestoreSpare": "belayer_env.restore.spare",
-    "Phase": "belayer_env.phases",
+    "Phase": "belayer_env.common.phases",
     "RecoverableSandboxEnv": "belayer_env.env.recoverable",
     "Sandbox": "belayer_env.sandbox.protocol",
 }

@@ -118,9 +118,15 @@ def test_the_base_imports_nothing_of_ours_above_it() -> None:
 
 def test_the_env_half_has_no_loose_modules_but_its_base() -> None:
     """Every module of ``belayer_env`` sits in a folder named for its part, except the package's
-    own entry points and the two utilities every part uses."""
+    own entry points (what every part uses is in ``common/``)."""
     loose = sorted(p.name for p in (ROOT / "belayer_env").glob("*.py"))
-    assert loose == ["__init__.py", "background.py", "phases.py", "registration.py"]
+    assert loose == ["__init__.py", "registration.py"]
+
+
+def test_the_engine_half_has_no_loose_modules_but_its_front_door() -> None:
+    """``RecoverableEngine`` and what it is built from; every part is a folder."""
+    loose = sorted(p.name for p in (ROOT / "belayer_engine").glob("*.py"))
+    assert loose == ["__init__.py", "client.py", "engine.py", "lifecycle.py"]
 
 
 def _packages(graph: dict[str, set[str]], modules: dict[str, Path]) -> dict[str, set[str]]:

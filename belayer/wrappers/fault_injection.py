@@ -17,8 +17,8 @@ from typing import Any
 import gymnasium as gym
 from pydantic import ConfigDict, Field
 
+from belayer_env.common.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
 from belayer_env.faults.inject import ACTION_FAULTS, FaultInjector, FaultKind, How
-from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
 from belayer_env.sandbox.config import StrictModel
 
 

@@ -47,8 +47,8 @@ from belayer_env.capture.artifacts import (
 )
 from belayer_env.capture.delta import Delta
 from belayer_env.capture.frozen import frozen_incremental, frozen_paused
+from belayer_env.common.phases import Phase, PhaseHook, no_hook
 from belayer_env.criu import precheck, runtime
-from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.sandbox import disk, freezer
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.protocol import Sandbox

@@ -20,9 +20,9 @@ from typing import Any
 
 from belayer_core.errors import CheckpointFailed
 from belayer_env.capture.delta import Delta
+from belayer_env.common.phases import Phase, PhaseHook
 from belayer_env.criu import runtime
 from belayer_env.criu.hooks import dump_stats
-from belayer_env.phases import Phase, PhaseHook
 from belayer_env.sandbox import freezer
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.protocol import Sandbox

@@ -18,7 +18,7 @@ import threading
 
 from belayer_core.errors import CheckpointFailed
 from belayer_env.capture.checkpoint import full_checkpoint
-from belayer_env.phases import Phase, PhaseHook
+from belayer_env.common.phases import Phase, PhaseHook
 from belayer_env.restore.prestaging import discard_copies
 from belayer_env.restore.prestaging import prestage as prestage_checkpoint
 from belayer_env.sandbox.protocol import Sandbox

@@ -30,11 +30,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from belayer_core.errors import InfraError, UsageError
+from belayer_env.common.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
 from belayer_env.consistency.workload import ACTIONS, N_STEPS, SETUP, exactly_once_violations, probe
 from belayer_env.env.policy import AlwaysPolicy
 from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
 from belayer_env.faults.inject import ACTION_FAULTS, FaultInjector
-from belayer_env.phases import CAPTURE_PHASES, RESTORE_PHASES, Phase
 
 Where = Literal["action", "checkpoint", "restore", "standby", "idle"]
 IDLE_FAULTS = ("kill", "oom", "kill_processes")

@@ -21,8 +21,8 @@ import docker
 from belayer_core.errors import CheckpointFailed, InfraError, SandboxLost
 from belayer_env.capture.checkpoint import full_checkpoint
 from belayer_env.capture.pending import PendingCheckpoint, reason_of, start_checkpoint
+from belayer_env.common.phases import PhaseHooks
 from belayer_env.env.policy import CheckpointPolicy
-from belayer_env.phases import PhaseHooks
 from belayer_env.restore.prestaging import discard_copies
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox

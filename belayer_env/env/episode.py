@@ -13,7 +13,7 @@ import docker
 
 from belayer_core.errors import UsageError
 from belayer_core.procfs import read_stat
-from belayer_env.phases import Phase, PhaseHooks
+from belayer_env.common.phases import Phase, PhaseHooks
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.fence import fence, sandbox_containers

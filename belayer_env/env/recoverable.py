@@ -23,6 +23,7 @@ import docker
 import gymnasium as gym
 
 from belayer_core.errors import InfraError, SandboxLost, UsageError
+from belayer_env.common.phases import PhaseHook, PhaseHooks
 from belayer_env.env.checkpointing import Checkpointer
 from belayer_env.env.config import SUBMIT_MARKER, EnvConfig, with_overrides
 from belayer_env.env.episode import EpisodeSandbox
@@ -34,7 +35,6 @@ from belayer_env.env.spaces import AnyText
 from belayer_env.env.trajectory import InfraEvent, StepRecord, Trajectory
 from belayer_env.env.turns import IdleRecovery, OneThread
 from belayer_env.forks.pool import ForkPool
-from belayer_env.phases import PhaseHook, PhaseHooks
 from belayer_env.restore.cleanup import wait_cleaned
 from belayer_env.restore.spare import RestoreSpare, kept_filled
 from belayer_env.sandbox.config import ResetOptions, SandboxConfig

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import docker
 
 from belayer_core.errors import SandboxLost, UsageError
-from belayer_env.background import Background
+from belayer_env.common.background import Background
 from belayer_env.env.episode import EpisodeSandbox
 from belayer_env.env.trajectory import InfraEvent
 from belayer_env.sandbox.container import DockerSandbox

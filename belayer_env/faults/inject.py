@@ -26,7 +26,7 @@ import docker
 import requests
 
 from belayer_core.errors import InfraError, SandboxLost
-from belayer_env.phases import Operation, Phase
+from belayer_env.common.phases import Operation, Phase
 from belayer_env.sandbox.fence import sandbox_containers
 from belayer_env.sandbox.freezer import CGROUP_ROOT
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import docker
 
-from belayer_env.background import Background
+from belayer_env.common.background import Background
 from belayer_env.criu import runtime
 from belayer_env.restore import prestaging
 from belayer_env.restore.restore import DEFAULT_IMAGES

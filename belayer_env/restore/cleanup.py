@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from belayer_env.background import ThreadSet
+from belayer_env.common.background import ThreadSet
 from belayer_env.restore import ctrd_copies
 from belayer_env.restore.staged import Staged
 from belayer_env.sandbox import writeback

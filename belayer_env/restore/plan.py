@@ -26,8 +26,8 @@ from typing import Any, Literal, get_args
 import docker
 
 from belayer_core.errors import RestoreFailed, UsageError
+from belayer_env.common.phases import Phase, PhaseHook, no_hook
 from belayer_env.host import loopback
-from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.restore import prestaging
 from belayer_env.restore.spare import RestoreSpare, Slot
 from belayer_env.restore.staged import Staged, install_images, unpack_layer

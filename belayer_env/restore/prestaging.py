@@ -40,9 +40,9 @@ import docker
 
 from belayer_core.errors import InfraError
 from belayer_core.procfs import mounts
-from belayer_env.background import Background
+from belayer_env.common.background import Background
+from belayer_env.common.phases import Phase, PhaseHook, no_hook
 from belayer_env.criu import runtime
-from belayer_env.phases import Phase, PhaseHook, no_hook
 from belayer_env.sandbox import disk, writeback
 from belayer_env.sandbox.docker_api import connect, translate_errors
 from belayer_env.store import in_memory, layer

@@ -17,8 +17,8 @@ from pathlib import Path
 import docker
 
 from belayer_core.errors import SandboxLost
-from belayer_env.background import Background
-from belayer_env.phases import Phase, PhaseHook
+from belayer_env.common.background import Background
+from belayer_env.common.phases import Phase, PhaseHook
 from belayer_env.sandbox import fence, freezer
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import translate_errors

@@ -39,10 +39,10 @@ from pathlib import Path
 import docker
 
 from belayer_core.errors import BelayerError, RestoreFailed
-from belayer_env.background import Background
+from belayer_env.common.background import Background
+from belayer_env.common.phases import Phase, PhaseHook
 from belayer_env.criu import runtime
 from belayer_env.host import loopback
-from belayer_env.phases import Phase, PhaseHook
 from belayer_env.restore import ctrd_copies, prestaging
 from belayer_env.restore.cleanup import clean_later, discard_later, discard_now
 from belayer_env.restore.containers import (

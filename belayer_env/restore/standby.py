@@ -39,7 +39,7 @@ import uuid
 import docker
 
 from belayer_core.errors import InfraError, RestoreFailed, SandboxLost
-from belayer_env.phases import Phase, PhaseHook, no_hook
+from belayer_env.common.phases import Phase, PhaseHook, no_hook
 from belayer_env.restore.promotion import Frozen, promote_docker, promote_kernel
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox import fence, freezer

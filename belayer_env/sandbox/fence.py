@@ -26,7 +26,7 @@ import docker
 import requests
 
 from belayer_core.errors import SandboxLost
-from belayer_env.background import ThreadSet
+from belayer_env.common.background import ThreadSet
 from belayer_env.sandbox import ctrd_leftovers, freezer
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.ownership import SANDBOX_NAME

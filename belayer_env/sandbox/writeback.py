@@ -18,7 +18,7 @@ import os
 import threading
 from pathlib import Path
 
-from belayer_env.background import ThreadSet
+from belayer_env.common.background import ThreadSet
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _flushing = ThreadSet("belayer-writeback")

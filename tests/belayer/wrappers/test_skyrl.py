@@ -140,8 +140,8 @@ def test_exhausted_recovery_raises_never_an_observation(skyrl_env, docker_client
     does): ``step`` raises the env's
     ``InfraError`` (no sample, never reward 0) instead of returning a step dict."""
     from belayer_core.errors import InfraError
+    from belayer_env.common.phases import Phase
     from belayer_env.faults import InjectedFault
-    from belayer_env.phases import Phase
 
     env = skyrl_env({"checkpoint_policy": "never", "recovery_attempts": 1}, {"max_turns": 5})
     env.init([{"role": "user", "content": "t"}])

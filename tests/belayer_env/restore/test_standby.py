@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from belayer_env.capture.checkpoint import full_checkpoint
+from belayer_env.common.phases import Phase
 from belayer_env.env.policy import AdaptivePolicy, AlwaysPolicy, NeverPolicy
 from belayer_env.env.recoverable import EnvConfig
 from belayer_env.faults.inject import FaultInjector, InjectedFault, kill_container
 from belayer_env.ops.gc import list_managed
-from belayer_env.phases import Phase
 from belayer_env.restore.standby import Standby
 from belayer_env.sandbox import freezer
 from belayer_env.sandbox.fence import sandbox_containers, wait_removed

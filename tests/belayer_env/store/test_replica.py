@@ -106,7 +106,7 @@ def test_cancel_landing_during_publish_leaves_nothing_published(make_sandbox, tm
     """A capture cancelled after it was written, while it uploads and publishes: the
     published checkpoint is removed again, locally and at the URL (cancel = publish nothing)."""
     from belayer_env.capture.pending import start_checkpoint
-    from belayer_env.phases import Phase
+    from belayer_env.common.phases import Phase
 
     store = ReplicatedCheckpointStore(tmp_path / "node-a", replica_url, keep=None)
     sb = make_sandbox()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from belayer_env.background import ThreadSet
+from belayer_env.common.background import ThreadSet
 
 
 def test_work_held_until_the_last_hold_ends():
