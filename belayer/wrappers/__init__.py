@@ -4,6 +4,10 @@
 - ``ChatHistory``: owns the chat message list and cuts it back on rollback.
 - ``RecoverableDockerEnvironment``: drop-in for mini-swe-agent's DockerEnvironment.
 - ``RecoverableSkyRLEnv``: SkyRL's env interface (skyrl-gym ``Env``) over the env (``skyrl``).
+- ``InfraPolicy``, ``PolicyEnv``, ``SampleDropped``: the one policy for infrastructure failures
+  every adapter follows (recover, else retry in a fresh sandbox, else drop with the group).
+- trainer adapters in their own modules: ``slime``, ``verl``, ``areal`` (``SandboxWorkflow``),
+  ``skyrl``, ``minisweagent``; TRL in ``belayer.examples.trl_grpo``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ _LAZY = {
     "RecoverableDockerEnvironmentConfig": ".minisweagent",
     "RolledBack": ".minisweagent",
     "RecoverableSkyRLEnv": ".skyrl",
+    "InfraPolicy": ".infra_policy",
+    "PolicyEnv": ".infra_policy",
+    "SampleDropped": ".infra_policy",
 }
 
 __all__ = list(_LAZY)

@@ -58,6 +58,13 @@ def reset_options(meta: dict[str, Any]) -> dict[str, Any]:
     return {"task": str(meta.get("task", "")), **{k: meta[k] for k in ("setup", "image") if meta.get(k)}}
 
 
+def observation_ids(last_ids: list[int], im_end: list[int], newline: list[int], user_turn: list[int]) -> list[int]:
+    """The tokens that close the model's turn (``<|im_end|>`` unless it ended with it) and open
+    the observation's: ``user_turn`` is a ChatML user message with the assistant prompt after it."""
+    close = [] if last_ids and last_ids[-1] in im_end else list(im_end)
+    return close + list(newline) + list(user_turn)
+
+
 class TokenRecord:
     """Sequences that grow with an episode (ids, loss mask, logprobs, texts, versions, ...),
     with their lengths at every committed env boundary, cut back together on a rollback."""

@@ -49,6 +49,7 @@ from belayer.wrappers.episode import (
     EpisodeConfig,
     TokenRecord,
     episode_env,
+    observation_ids,
     post_json,
     reset_options,
 )
@@ -156,8 +157,8 @@ class _Response(TokenRecord):
             self.versions.append(version)
 
     def observation(self, codec: Any, observation: str) -> None:
-        close = [] if self.ids and self.ids[-1] in codec.encode("<|im_end|>") else codec.encode("<|im_end|>")
-        ids = close + codec.encode("\n") + codec.render_chat([{"role": "user", "content": observation}])
+        ids = observation_ids(self.ids, codec.encode("<|im_end|>"), codec.encode("\n"),
+                              codec.render_chat([{"role": "user", "content": observation}]))
         self.ids.extend(ids)
         self.mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))

@@ -34,13 +34,12 @@ from urllib.parse import urlsplit
 import pytest
 
 from belayer_engine import RecoverableEngine
+from tests.belayer.wrappers.episodes import EPISODE, UNRECOVERABLE, first_sandbox_only
 from tests.belayer_engine.conftest import poll
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT = "<|im_start|>user\nList the files in /tmp, then submit.<|im_end|>\n<|im_start|>assistant\n"
-EPISODE = {"max_turns": 3, "max_tokens_per_turn": 24, "checkpoint_policy": "always",
-           "env": {"sandbox": {"max_output_bytes": 96}}}
 TOL = 1e-4  # logprobs of a re-prefilled continuation (bit-equal on this CPU so far)
 
 
@@ -226,18 +225,13 @@ def test_the_serving_worker_sigkilled_mid_turn_is_continued_by_the_engine(engine
     poll(lambda: engine.worker_pid(0) not in (None, killed["pid"]), 120, "the shadow to serve slot 0")
 
 
-UNRECOVERABLE = {"checkpoint_policy": "never", "env": {**EPISODE["env"], "recovery_attempts": 1},
-                 # seed 1: the restore armed at turn 1 fails at "created", then the container dies in turn 2
-                 "faults": {"at_steps": {1: "restore_fail", 2: "kill"}, "max_delay_s": 0.0, "seed": 1}}
-
-
 def test_a_sample_beyond_recovery_is_retried_in_a_fresh_sandbox(engine, golden):
     """No checkpoints, one recovery attempt allowed, and that restore (boundary 0's fresh
     sandbox) armed to fail, then a real SIGKILL of the container in turn 2 (in the first
     sandbox only: ``episodes: 1``): the env gives up, the infrastructure policy resets a fresh
     sandbox (a rollback to 0), the sample regenerates from its prompt and equals the fault-free
     one, labelled."""
-    s = run(slime_args(engine), **{**UNRECOVERABLE, "faults": {**UNRECOVERABLE["faults"], "episodes": 1}})
+    s = run(slime_args(engine), **first_sandbox_only(UNRECOVERABLE))
     label = s.metadata["belayer"]
     assert label["fresh_sandbox_retries"] == 1 and "dropped" not in label, label
     assert label["retried_after"][0]["error"] in ("RestoreFailed", "SandboxLost", "InjectedFault"), label

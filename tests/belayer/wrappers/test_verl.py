@@ -28,6 +28,7 @@ import pytest
 
 from belayer_engine import RecoverableEngine
 from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
+from tests.belayer.wrappers.episodes import EPISODE, UNRECOVERABLE, first_sandbox_only
 from tests.belayer_engine.conftest import poll
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,12 +37,6 @@ DEFAULT_VENV = "/opt/belayer/verl-venv"
 SETUP_HINT = "run `bash scripts/setup_verl.sh` (part of scripts/setup.sh; or set BELAYER_VERL_VENV to its venv)"
 DRIVER = Path(__file__).with_name("verl_driver.py")
 ROOT = Path(__file__).resolve().parents[3]
-EPISODE = {"max_turns": 3, "max_tokens_per_turn": 24, "checkpoint_policy": "always",
-           "env": {"sandbox": {"max_output_bytes": 96}}}
-# beyond the env's recovery: no checkpoint, one restore attempt, and that restore (the fresh
-# sandbox of boundary 0) armed to fail at its "created" phase (seed 1), then the container SIGKILLed
-UNRECOVERABLE = {"checkpoint_policy": "never", "env": {**EPISODE["env"], "recovery_attempts": 1},
-                 "faults": {"at_steps": {"1": "restore_fail", "2": "kill"}, "max_delay_s": 0.0, "seed": 1}}
 TOL = 1e-4
 
 
@@ -179,8 +174,7 @@ def test_a_sample_beyond_recovery_is_retried_in_a_fresh_sandbox(setup):
     the env gives up, ``PolicyEnv`` starts a fresh sandbox, the loop regenerates from the
     prompt, and verl receives the fault-free sample, labelled."""
     _, driver, want = setup
-    episode = {**EPISODE, **UNRECOVERABLE, "faults": {**UNRECOVERABLE["faults"], "episodes": 1}}
-    got = driver.run("retried", 2, episode)
+    got = driver.run("retried", 2, first_sandbox_only({**EPISODE, **UNRECOVERABLE}))
     assert got["error"] is None, got.get("traceback")
     for row, ref in zip(got["rows"], want["rows"][:2], strict=True):
         assert_rows_equal(row, ref)
