@@ -23,6 +23,7 @@ _LAZY = {
     "RecoverableDockerEnvironment": ".minisweagent",
     "RecoverableDockerEnvironmentConfig": ".minisweagent",
     "RolledBack": ".minisweagent",
+    "InfraDropped": ".minisweagent",
     "RecoverableSkyRLEnv": ".skyrl",
     "InfraPolicy": ".infra_policy",
     "PolicyEnv": ".infra_policy",

@@ -16,6 +16,13 @@ with no messages, when mini-swe-agent is installed) makes its loop query the mod
 the loop's read of its (empty) messages cuts again, dropping what the agent appended
 meanwhile (``InteractiveAgent`` adds the discarded branch's observations in a ``finally``).
 Bind the agent with ``env.bind(agent)`` (or give ``agent=``) after building it.
+
+Infrastructure failures follow ``belayer.wrappers.infra_policy`` (config field ``infra``): a
+sandbox beyond the env's recovery is replaced by a fresh one and reported as a rollback to
+boundary 0 (the agent's context goes back to its first query); past the policy's retries
+``execute`` raises ``InfraDropped``, which ends ``agent.run`` with ``exit_status
+"InfraDropped"`` and no submission: a trainer takes no sample from that run (and drops its
+group), never a reward of 0.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from belayer.wrappers.infra_policy import InfraPolicy, PolicyEnv, SampleDropped
 from belayer_env.env.recoverable import EnvConfig, RecoverableSandboxEnv
 from belayer_env.sandbox.config import SandboxConfig
 
@@ -74,6 +82,21 @@ class RolledBack(_Interrupt or Exception):  # type: ignore[misc]
         self.messages = messages
 
 
+class InfraDropped(_Interrupt or Exception):  # type: ignore[misc]
+    """The infrastructure policy dropped this run (recovery and fresh sandboxes failed); it ends
+    mini-swe-agent's loop with ``exit_status`` "InfraDropped" (its ``messages`` hold the exit)."""
+
+    def __init__(self, dropped: SampleDropped):
+        exit_message = {"role": "exit", "content": str(dropped),
+                        "extra": {"exit_status": "InfraDropped", "submission": "",
+                                  "belayer_dropped": [a["error"] for a in dropped.attempts]}}
+        if _Interrupt is not None:
+            super().__init__(exit_message)
+        else:
+            super().__init__(str(dropped))
+            self.messages = (exit_message,)
+
+
 class RecoverableDockerEnvironmentConfig(BaseModel):
     """mini-swe-agent's DockerEnvironmentConfig fields, plus Belayer's own (prefixed)."""
 
@@ -94,6 +117,8 @@ class RecoverableDockerEnvironmentConfig(BaseModel):
     checkpoint_policy: str = "adaptive"
     memory: str = "1g"
     network: bool = False
+    infra: InfraPolicy = Field(default_factory=InfraPolicy)
+    """What happens when the env's recovery is exhausted (fresh sandboxes, then ``InfraDropped``)."""
 
 
 class RecoverableDockerEnvironment:
@@ -106,7 +131,9 @@ class RecoverableDockerEnvironment:
         sandbox = SandboxConfig(image=c.image, cwd=c.cwd, env=env_vars, timeout=float(c.timeout),
                                 memory=c.memory, network=c.network)
         self.env = RecoverableSandboxEnv(EnvConfig(sandbox=sandbox), checkpoint_policy=c.checkpoint_policy)
-        self.env.reset()
+        self.policy_env = PolicyEnv(self.env, c.infra)
+        self.dropped: list[str] | None = None
+        self.policy_env.reset()
         self.agent = agent
         self._prefix: dict[int, int] = {}  # boundary j -> len(agent.messages) at j
         self._message_id: int | None = None
@@ -126,8 +153,12 @@ class RecoverableDockerEnvironment:
         command = action.get("command", "") if isinstance(action, dict) else action
         command = self._wrap(command)
         last_of_message = self._track_message()
-        obs, _r, terminated, _t, info = self.env.step_command(command, cwd=cwd, timeout=timeout,
-                                                              checkpoint=last_of_message)
+        try:
+            obs, _r, terminated, _t, info = self.policy_env.step_command(command, cwd=cwd, timeout=timeout,
+                                                                         checkpoint=last_of_message)
+        except SampleDropped as e:
+            self.dropped = [a["error"] for a in e.attempts]
+            raise InfraDropped(e) from e
         rollback = info["belayer"].get("rollback")
         if rollback is not None:
             recut = self._roll_back(rollback["to_step"])
@@ -149,7 +180,8 @@ class RecoverableDockerEnvironment:
             "environment": self.config.model_dump(mode="json"),
             "environment_type": f"{self.__class__.__module__}.{self.__class__.__name__}"},
             "belayer": {"recovered": trajectory.recovered,
-                        "events": [e.model_dump(mode="json") for e in trajectory.events]}}}
+                        "events": [e.model_dump(mode="json") for e in trajectory.events],
+                        "dropped": self.dropped, **self.policy_env.label()}}}
 
     def cleanup(self) -> None:
         self.env.close()

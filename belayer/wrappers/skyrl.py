@@ -20,8 +20,12 @@ Recovery: an infrastructure failure during a turn restores boundary j and return
 state after turn j: a generator keeps the first j turns of its conversation (model output +
 observation each) and regenerates from there. SkyRL's stock ``SkyRLGymGenerator`` does not
 cut its token history; with it, drop episodes whose ``get_metrics()["env_rollbacks"]`` is
-non-zero, or cut in your generator. When recovery is exhausted ``step`` raises the
-``InfraError`` (no sample, never reward 0). skyrl_gym is imported when the class is first
+non-zero, or cut in your generator. Infrastructure failures follow
+``belayer.wrappers.infra_policy`` (``env_config`` key ``infra``: ``InfraPolicy`` fields): when
+the env's recovery is exhausted the sample restarts in a fresh sandbox, reported as a rollback
+to boundary 0 (``"fresh_sandbox": n``; the generator keeps no turn and regenerates from the
+prompt); past the policy's retries ``step`` raises ``SampleDropped`` (an ``InfraError``): no
+sample, never reward 0; drop its group with it. skyrl_gym is imported when the class is first
 used, not at import.
 """
 
@@ -73,6 +77,7 @@ def _env_class() -> type:
     from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
     from belayer.wrappers.chat_history import parse_bash_block
+    from belayer.wrappers.infra_policy import InfraPolicy, PolicyEnv
     from belayer_env import RecoverableSandboxEnv
     from belayer_env.env import CommandReward, EnvConfig
 
@@ -81,6 +86,7 @@ def _env_class() -> type:
             super().__init__()
             config, extras = _plain(env_config), dict(extras or {})
             policy = config.pop("checkpoint_policy", "adaptive")
+            infra = InfraPolicy(**_plain(config.pop("infra", None)))
             if "max_turns" in extras and "max_steps" not in config:
                 config["max_steps"] = int(extras["max_turns"])
             self.max_turns = int(config.get("max_steps") or extras.get("max_turns") or 1 << 30)
@@ -89,18 +95,19 @@ def _env_class() -> type:
             test = reward_spec.get("test_command")
             self.env = RecoverableSandboxEnv(EnvConfig(**config), checkpoint_policy=policy,
                                              reward=CommandReward(test) if test else None)
+            self.policy_env = PolicyEnv(self.env, infra)
             self.rollbacks: list[dict[str, Any]] = []
 
         def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, Any]]:
             """Start the episode's sandbox (its setup run); the prompt is returned unchanged."""
             task = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
-            self.env.reset(options={"task": str(task), **self._options})
+            self.policy_env.reset(options={"task": str(task), **self._options})
             self.turns, self.rollbacks = 0, []
             return prompt, {"belayer": {"step": 0}}
 
         def step(self, action: str) -> BaseTextEnvStepOutput:
             command = parse_bash_block(action).replace("\x00", "")  # NUL cannot reach bash
-            obs, reward, terminated, truncated, info = self.env.step(command)
+            obs, reward, terminated, truncated, info = self.policy_env.step(command)
             belayer = info["belayer"]
             if "rollback" in belayer:  # the sandbox is at boundary j: turns j+1.. are gone
                 self.turns = belayer["rollback"]["to_step"]
@@ -118,7 +125,8 @@ def _env_class() -> type:
 
         def get_metrics(self) -> dict[str, Any]:
             return {"steps": self.turns, "env_rollbacks": len(self.rollbacks),
-                    "recovered": int(self.env.trajectory.recovered)}
+                    "recovered": int(self.env.trajectory.recovered),
+                    "fresh_sandbox_retries": len(self.policy_env.attempts)}
 
         def close(self) -> None:
             self.env.close()

@@ -82,7 +82,7 @@ def test_a_skyrl_gym_env_made_by_skyrl_gym_make(skyrl_env):
     assert env.step(reply("echo 42 > answer"))["done"] is False
     out = env.step(reply(SUBMIT))
     assert out["done"] is True and out["reward"] == 1.0 and out["observations"] == []
-    assert env.get_metrics() == {"steps": 3, "env_rollbacks": 0, "recovered": 0}
+    assert env.get_metrics() == {"steps": 3, "env_rollbacks": 0, "recovered": 0, "fresh_sandbox_retries": 0}
 
 
 def test_a_rollback_is_in_the_metadata_never_in_an_observation(skyrl_env, docker_client):
@@ -120,7 +120,7 @@ def test_a_rollback_is_in_the_metadata_never_in_an_observation(skyrl_env, docker
                                      reply("echo 3 >> /log"), reply(f"{SUBMIT} && cat /log")]
     assert [s.action for s in env.env.trajectory.steps] == [
         "echo 1 >> /log", "echo 2 >> /log", "echo 3 >> /log", f"{SUBMIT} && cat /log"]
-    assert env.get_metrics() == {"steps": 4, "env_rollbacks": 1, "recovered": 1}
+    assert env.get_metrics() == {"steps": 4, "env_rollbacks": 1, "recovered": 1, "fresh_sandbox_retries": 0}
 
 
 def test_skyrl_gym_is_imported_lazily():
@@ -134,24 +134,55 @@ def test_skyrl_gym_is_imported_lazily():
     assert "scripts/setup_skyrl.sh" in out.stdout
 
 
-def test_exhausted_recovery_raises_never_an_observation(skyrl_env, docker_client):
-    """No checkpoints, one recovery attempt, and boundary 0's fresh sandbox failing as it is
-    created (a phase hook raising the project's ``InjectedFault``, as its fault injector
-    does): ``step`` raises the env's
-    ``InfraError`` (no sample, never reward 0) instead of returning a step dict."""
-    from belayer_core.errors import InfraError
+def failing_fresh_sandboxes(env, times: int | None) -> None:
+    """Fail the creation of the env's fresh sandboxes ``times`` times (None: always), as the
+    project's fault injector does (a phase hook raising ``InjectedFault``)."""
     from belayer_env.common.phases import Phase
     from belayer_env.faults import InjectedFault
 
+    left = {"n": times}
+
+    def hook(phase: Phase) -> None:
+        if phase == Phase.CREATED and (left["n"] is None or left["n"] > 0):
+            if left["n"] is not None:
+                left["n"] -= 1
+            raise InjectedFault("injected: the host cannot create sandboxes")
+
+    env.env.add_phase_hook(hook)
+
+
+def test_beyond_recovery_the_sample_restarts_in_a_fresh_sandbox(skyrl_env, docker_client):
+    """No checkpoints, one recovery attempt, boundary 0's restore failing, the container
+    SIGKILLed: the infrastructure policy starts a fresh sandbox and ``step`` reports a rollback
+    to 0 (no observation); the generator keeps no turn, regenerates, and the sample completes
+    with each effect once."""
     env = skyrl_env({"checkpoint_policy": "never", "recovery_attempts": 1}, {"max_turns": 5})
     env.init([{"role": "user", "content": "t"}])
     assert env.step(reply("echo 1 >> /log"))["observations"]
-
-    def fail_fresh_sandboxes(phase: Phase) -> None:
-        if phase == Phase.CREATED:
-            raise InjectedFault("injected: the host cannot create sandboxes")
-
-    env.env.add_phase_hook(fail_fresh_sandboxes)
+    failing_fresh_sandboxes(env, 1)  # the env's one restore attempt
     kill_container(docker_client, env.env.sandbox.container_id)
-    with pytest.raises(InfraError):
+    out = env.step(reply("echo 2 >> /log"))
+    assert out["observations"] == [] and out["done"] is False and out["reward"] == 0.0
+    rollback = out["metadata"]["belayer"]["rollback"]
+    assert rollback["to_step"] == 0 and rollback["fresh_sandbox"] == 1, rollback
+    env.step(reply("echo 1 >> /log"))
+    out = env.step(reply(f"{SUBMIT} && cat /log"))
+    assert out["done"] is True and out["metadata"]["submission"] == "1\n"
+    assert env.get_metrics()["fresh_sandbox_retries"] == 1
+
+
+def test_exhausted_recovery_raises_never_an_observation(skyrl_env, docker_client):
+    """No checkpoints, one recovery attempt, and every fresh sandbox failing as it is created:
+    past the policy's retries ``step`` raises ``SampleDropped`` (an ``InfraError``: no sample,
+    never reward 0) instead of returning a step dict."""
+    from belayer.wrappers.infra_policy import SampleDropped
+
+    env = skyrl_env({"checkpoint_policy": "never", "recovery_attempts": 1, "infra": {"retries": 1}},
+                    {"max_turns": 5})
+    env.init([{"role": "user", "content": "t"}])
+    assert env.step(reply("echo 1 >> /log"))["observations"]
+    failing_fresh_sandboxes(env, None)
+    kill_container(docker_client, env.env.sandbox.container_id)
+    with pytest.raises(SampleDropped) as dropped:
         env.step(reply("echo 2 >> /log"))
+    assert len(dropped.value.attempts) == 2  # the sandbox, then its one fresh replacement
