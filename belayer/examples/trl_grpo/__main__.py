@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from belayer.wrappers.infra_policy import InfraPolicy
+
 from .episode import EpisodeConfig
 from .run import RunConfig, main
 
@@ -28,6 +30,11 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, bool]:
                    help="episodes per step whose container is SIGKILLed while the model writes turn 2")
     p.add_argument("--worker-kills-per-step", type=int, default=d.worker_kills_per_step,
                    help="episodes per step whose turn-1 generation loses its worker to a SIGKILL")
+    p.add_argument("--beyond-recovery-per-step", type=int, default=d.beyond_recovery_per_step,
+                   help="episodes per step whose container is SIGKILLed with every restore failing (the "
+                        "infrastructure policy restarts them in a fresh sandbox)")
+    p.add_argument("--infra-retries", type=int, default=e.infra.retries,
+                   help="fresh sandboxes an episode may start over in before it is dropped with its group")
     p.add_argument("--turns", type=int, default=e.turns, help="model turns per episode")
     p.add_argument("--max-new-tokens", type=int, default=e.max_new_tokens, help="per turn")
     p.add_argument("--temperature", type=float, default=e.temperature)
@@ -39,10 +46,11 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, bool]:
     p.add_argument("--json", action="store_true", help="print only the summary, as one JSON line (progress on stderr)")
     a = p.parse_args(argv)
     episode = EpisodeConfig(turns=a.turns, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                            checkpoint_policy=a.checkpoint_policy)
+                            checkpoint_policy=a.checkpoint_policy, infra=InfraPolicy(retries=a.infra_retries))
     cfg = RunConfig(steps=a.steps, prompts_per_step=a.prompts_per_step, group_size=a.group_size, lr=a.lr,
                     sft_steps=a.sft_steps, sft_lr=a.sft_lr, container_kills_per_step=a.container_kills_per_step,
-                    worker_kills_per_step=a.worker_kills_per_step, parallel=a.parallel, threads=a.threads,
+                    worker_kills_per_step=a.worker_kills_per_step,
+                    beyond_recovery_per_step=a.beyond_recovery_per_step, parallel=a.parallel, threads=a.threads,
                     seed=a.seed, episode=episode)
     return cfg, a.json
 

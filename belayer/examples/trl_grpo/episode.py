@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 import requests
 
 from belayer.wrappers.chat_history import parse_bash_block
+from belayer.wrappers.infra_policy import InfraPolicy, PolicyEnv
 from belayer_core.errors import BelayerError, InfraError
+from belayer_env.common.phases import Phase
 from belayer_env.env.config import SUBMIT_MARKER, EnvConfig
 from belayer_env.env.recoverable import RecoverableSandboxEnv
-from belayer_env.faults.inject import FaultInjector
+from belayer_env.faults.inject import FaultInjector, InjectedFault
 from belayer_env.sandbox.config import SandboxConfig
 
 from .tasks import WORKDIR, FileReward, Task
@@ -46,6 +48,8 @@ class EpisodeConfig:
     temperature: float = 1.0
     command_timeout_s: float = 5.0
     checkpoint_policy: str = "always"
+    infra: InfraPolicy = field(default_factory=InfraPolicy)
+    """Exhausted env recovery: a fresh sandbox (a rollback to 0), then the sample is dropped with its group."""
 
 
 @dataclass
@@ -73,15 +77,33 @@ class Sample:
     worker_kills: int = 0
     worker_recoveries: int = 0  # generations continued on the shadow (any worker death, ours or not)
     killed_generation_recovered: int = 0  # of our worker kills: the generation it hit was continued
-    failed: str | None = None
+    failed: str | None = None  # the infrastructure policy dropped it: no reward, its group goes too
+    fresh_sandbox_retries: int = 0
+    beyond_recovery: int = 0  # planned kills whose restores were made to fail
     seconds: float = 0.0
 
 
 class Plan:
-    """Which turn of this episode gets which fault (``turn`` is 1-based)."""
+    """Which turn of this episode gets which fault (``turn`` is 1-based). ``beyond_recovery_at``:
+    the container is SIGKILLed while the model writes that turn and every restore of this
+    sandbox fails as it is created (the infrastructure policy's fresh sandbox is spared)."""
 
-    def __init__(self, kill_container_at: int | None = None, kill_worker_at: int | None = None):
+    def __init__(self, kill_container_at: int | None = None, kill_worker_at: int | None = None,
+                 beyond_recovery_at: int | None = None):
         self.kill_container_at, self.kill_worker_at = kill_container_at, kill_worker_at
+        self.beyond_recovery_at = beyond_recovery_at
+
+
+def doom_sandbox(env: RecoverableSandboxEnv) -> None:
+    """Every restore of the env's current sandbox fails at its "created" phase (a phase hook
+    raising, as the project's fault injector does); a fresh sandbox (a new name) is spared."""
+    doomed = env.name
+
+    def hook(phase: Phase) -> None:
+        if phase == Phase.CREATED and env.name == doomed:
+            raise InjectedFault(f"injected: sandbox {doomed} cannot be restored")
+
+    env.add_phase_hook(hook)
 
 
 def generate(root: str, input_ids: list[int], cfg: EpisodeConfig, on_chunk=None) -> dict:
@@ -164,15 +186,16 @@ def run_episode(task: Task, engine, codec, cfg: EpisodeConfig, plan: Plan) -> Sa
     root = engine.base_url.removesuffix("/v1")
     im_end = codec.encode("<|im_end|>")[0]
     env = make_env(task, cfg)
+    policy = PolicyEnv(env, cfg.infra)
     injector = FaultInjector(env)
     try:
-        env.reset(options=task.reset_options())
+        policy.reset(options=task.reset_options())
         sample.prompt_ids = codec.render_chat([{"role": "user", "content": task.prompt}])
         turns: list[Turn] = []
         fired: set[str] = set()
         for _ in range(cfg.turns * 4 + 4):  # bounded even with repeated rollbacks
             if len(turns) == cfg.turns:  # every model turn done: the harness submits, the env scores
-                _, reward, terminated, _, info = env.step(f"echo {SUBMIT_MARKER}")
+                _, reward, terminated, _, info = policy.step(f"echo {SUBMIT_MARKER}")
                 if _cut_on_rollback(info, turns, sample):
                     continue
                 sample.reward = float(reward) if terminated else 0.0
@@ -183,6 +206,13 @@ def run_episode(task: Task, engine, codec, cfg: EpisodeConfig, plan: Plan) -> Sa
                 env.settle(timeout=120)  # the newest boundary's checkpoint written (or given up)
                 injector.fire("kill")  # the container dies while the model writes turn n
                 sample.container_kills += 1
+            if plan.beyond_recovery_at == n and "beyond" not in fired:
+                fired.add("beyond")
+                env.settle(timeout=120)
+                doom_sandbox(env)
+                injector.fire("kill")  # dies while the model writes turn n; its restores fail: a fresh sandbox
+                sample.container_kills += 1
+                sample.beyond_recovery += 1
             kill, killed = None, []
             if plan.kill_worker_at is not None and n >= plan.kill_worker_at and "worker" not in fired \
                     and _stable(engine):  # a kill only onto a shadow armed and ready, else none
@@ -210,7 +240,7 @@ def run_episode(task: Task, engine, codec, cfg: EpisodeConfig, plan: Plan) -> Sa
             if len(lps) != len(ids):
                 raise BelayerError(f"{len(ids)} output ids but {len(lps)} logprobs")
             turn = Turn(ids, lps)
-            observation, _, _, _, info = env.step(command_of(codec, ids))
+            observation, _, _, _, info = policy.step(command_of(codec, ids))
             if _cut_on_rollback(info, turns, sample):
                 continue  # this turn's tokens are dropped too: its action never committed
             turn.env_ids = observation_ids(codec, ids, observation, im_end)
@@ -226,6 +256,7 @@ def run_episode(task: Task, engine, codec, cfg: EpisodeConfig, plan: Plan) -> Sa
     except (InfraError, BelayerError, requests.RequestException) as exc:
         sample.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
+        sample.fresh_sandbox_retries = len(policy.attempts)
         injector.close()
         env.close()
     sample.seconds = round(time.monotonic() - started, 2)

@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from belayer.wrappers.infra_policy import drop_mask
+
 from .episode import EpisodeConfig, Plan, Sample, run_episode
 from .tasks import BY_PROMPT, TASKS
 from .warmstart import warm_start
@@ -45,6 +47,7 @@ class RunConfig:
     sft_lr: float = 5e-3
     container_kills_per_step: int = 1
     worker_kills_per_step: int = 1
+    beyond_recovery_per_step: int = 0
     parallel: int = 4
     threads: int = 1
     seed: int = 0
@@ -58,42 +61,43 @@ class Rollouts:
         self.cfg, self.engine, self.codec, self.log = cfg, engine, codec, log
         self.version = 0  # the engine's weight version the next rollouts must come from
         self.samples: list[tuple[int, int, Sample]] = []  # (step, expected version, sample) handed to TRL
-        self.unrecovered: list[Sample] = []  # episodes whose recovery was exhausted (then rolled out afresh)
+        self.dropped_with_group = 0  # samples trained on with no weight because a sample of their group was dropped
 
     def plan(self, i: int) -> Plan:
-        c, w = self.cfg.container_kills_per_step, self.cfg.worker_kills_per_step
+        c, w, b = self.cfg.container_kills_per_step, self.cfg.worker_kills_per_step, self.cfg.beyond_recovery_per_step
         return Plan(kill_container_at=min(2, self.cfg.episode.turns) if i < c else None,
-                    kill_worker_at=1 if c <= i < c + w else None)
+                    kill_worker_at=1 if c <= i < c + w else None,
+                    beyond_recovery_at=min(2, self.cfg.episode.turns) if c + w <= i < c + w + b else None)
 
     def __call__(self, prompts: list, trainer) -> dict:
         step = trainer.state.global_step + 1
         texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
         t0 = time.monotonic()
 
-        def one(i: int) -> Sample:
-            sample = run_episode(BY_PROMPT[texts[i]], self.engine, self.codec, self.cfg.episode, self.plan(i))
-            if sample.failed:  # recovery exhausted: no sample (never a reward 0); try the task afresh once
-                self.unrecovered.append(sample)
-                self.log(f"  episode {i} failed ({sample.failed}); rolling it out again")
-                return run_episode(BY_PROMPT[texts[i]], self.engine, self.codec, self.cfg.episode, Plan())
-            return sample
+        def one(i: int) -> Sample:  # the infrastructure policy retries it in fresh sandboxes, else drops it
+            return run_episode(BY_PROMPT[texts[i]], self.engine, self.codec, self.cfg.episode, self.plan(i))
 
         with ThreadPoolExecutor(self.cfg.parallel) as pool:
             samples = list(pool.map(one, range(len(texts))))
         self.samples += [(step, self.version, s) for s in samples]
         im_end = self.codec.encode("<|im_end|>")[0]
-        ok = [s for s in samples if not s.failed]
+        # TRL's prompts come in groups of num_generations: a dropped sample takes its group with it
+        drop = drop_mask([i // self.cfg.group_size for i in range(len(samples))], [bool(s.failed) for s in samples],
+                         self.cfg.episode.infra)
+        self.dropped_with_group += sum(1 for s, d in zip(samples, drop, strict=True) if d and not s.failed)
+        ok = [s for s, d in zip(samples, drop, strict=True) if not d]
         self.log(f"step {step}: {len(samples)} episodes in {time.monotonic() - t0:.1f}s, weight version "
                  f"{self.version}, reward {statistics.fmean(s.reward for s in ok) if ok else float('nan'):.3f}, "
                  f"container kills {sum(s.container_kills for s in samples)} (env recoveries "
                  f"{sum(s.env_recoveries for s in samples)}), worker kills {sum(s.worker_kills for s in samples)} "
                  f"(generations continued {sum(s.worker_recoveries for s in samples)})")
-        return {
+        return {  # a dropped sample: no tokens of its own, no reward (None: TRL's unscorable, advantage 0), no
+            # loss on its group's tokens (env_mask 0); never a reward of 0
             "prompt_ids": [s.prompt_ids for s in samples],
             "completion_ids": [s.completion_ids if not s.failed else [im_end] for s in samples],
             "logprobs": [s.logprobs if not s.failed else [0.0] for s in samples],
-            "env_mask": [s.env_mask if not s.failed else [0] for s in samples],
-            "env_reward": [None if s.failed else s.reward for s in samples],  # None: unscorable, not 0
+            "env_mask": [[0] * max(len(s.env_mask), 1) if d else s.env_mask for s, d in zip(samples, drop, strict=True)],
+            "env_reward": [None if d else s.reward for s, d in zip(samples, drop, strict=True)],
         }
 
 
@@ -187,17 +191,19 @@ def _tokenizer(model_dir):
 
 def summarize(cfg: RunConfig, rollouts: Rollouts, pushes: list[dict], history: list[dict],
               engine_events: list[dict], sft: list[float], final_version: int, seconds: float) -> dict:
-    everything = [s for _, _, s in rollouts.samples] + rollouts.unrecovered
+    everything = [s for _, _, s in rollouts.samples]
     trained = [s for _, _, s in rollouts.samples if not s.failed]
     lost = [s for _, _, s in rollouts.samples if s.failed]  # TRL got no sample (reward None) for these
     mixed = [s for _, v, s in rollouts.samples if not s.failed and set(s.versions) != {v}]
     kills_c = sum(s.container_kills for s in everything)
     kills_w = sum(s.worker_kills for s in everything)
     rec_c = sum(min(s.container_kills, s.env_recoveries) for s in trained)
+    beyond = sum(s.beyond_recovery for s in everything)  # counted in kills_c too
+    rec_beyond = sum(min(s.beyond_recovery, s.fresh_sandbox_retries) for s in trained)
     handovers = sum(1 for e in engine_events if e.get("event") == "handover")
     # a worker kill is recovered when the engine handed its slot over (the shadow took its
     # in-flight generations) and no episode lost a sample: the engine served on throughout
-    rec_w = min(kills_w, handovers) if not rollouts.unrecovered else 0
+    rec_w = min(kills_w, handovers) if not lost else 0
     trl_log = [{"step": h["step"], "loss": h.get("loss"), "reward": h.get("reward"), "reward_std": h.get("reward_std")}
                for h in history if "loss" in h and "reward" in h]
     by_step: dict[int, list[float]] = {}
@@ -206,10 +212,12 @@ def summarize(cfg: RunConfig, rollouts: Rollouts, pushes: list[dict], history: l
             by_step.setdefault(step, []).append(s.reward)
     return {
         "steps": len(trl_log), "samples": len(trained), "samples_lost": len(lost),
-        "episodes_unrecovered": len(rollouts.unrecovered), "samples_mixed_versions": len(mixed),
-        "faults_injected": {"container_kill": kills_c, "worker_sigkill": kills_w},
-        "faults_recovered": {"container_kill": rec_c, "worker_sigkill": rec_w},
-        "all_faults_recovered": rec_c == kills_c and rec_w == kills_w,
+        "samples_dropped_with_group": rollouts.dropped_with_group,
+        "fresh_sandbox_retries": sum(s.fresh_sandbox_retries for s in everything),
+        "samples_mixed_versions": len(mixed),
+        "faults_injected": {"container_kill": kills_c, "worker_sigkill": kills_w, "beyond_recovery": beyond},
+        "faults_recovered": {"container_kill": rec_c, "worker_sigkill": rec_w, "beyond_recovery": rec_beyond},
+        "all_faults_recovered": rec_c == kills_c and rec_w == kills_w and rec_beyond == beyond,
         "env_recoveries": sum(s.env_recoveries for s in trained),
         "env_restored_boundaries": _counts(j for s in trained for j in s.restored),
         "turns_rolled_back": sum(s.rolled_back_turns for s in trained),
@@ -220,7 +228,7 @@ def summarize(cfg: RunConfig, rollouts: Rollouts, pushes: list[dict], history: l
         "sample_versions_by_step": {str(k): sorted({v for st, v, _ in rollouts.samples if st == k}) for k in by_step},
         "reward_by_step": {str(k): round(statistics.fmean(v), 4) for k, v in sorted(by_step.items())},
         "trl_log": trl_log, "sft_loss": [sft[0], sft[-1]] if sft else None,
-        "config": asdict(cfg), "seconds": round(seconds, 1),
+        "config": json.loads(json.dumps(asdict(cfg), default=lambda o: o.model_dump())), "seconds": round(seconds, 1),
     }
 
 
@@ -240,5 +248,5 @@ def main(cfg: RunConfig, as_json: bool) -> int:
         print(json.dumps(summary))
     else:
         print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
-    ok = summary["samples_lost"] == 0 and summary["episodes_unrecovered"] == 0 and summary["samples_mixed_versions"] == 0 and summary["all_faults_recovered"]
+    ok = summary["samples_lost"] == 0 and summary["samples_mixed_versions"] == 0 and summary["all_faults_recovered"]
     return 0 if ok else 1

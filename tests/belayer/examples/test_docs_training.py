@@ -14,7 +14,7 @@ from belayer.examples.swe_rl.tasks import sample_tasks
 from belayer_env.faults.inject import kill_container
 from belayer_env.ops.gc import list_managed
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "training.md"
 
 
 def doc_function(name: str) -> dict:
@@ -63,3 +63,25 @@ def test_rollout_one_from_the_docs_survives_a_container_kill(docker_client, monk
         assert len(messages) == 1 + 2 * j and token_ids, (j, messages)
     assert len(out["weight_versions"]) == 1 and None not in out["weight_versions"]
     assert out["reward"] == 0.0  # the untrained model never submits
+
+
+SNIPPET = re.compile(r"<!-- from: (\S+) -->\n```\w*\n(.*?)```", re.DOTALL)
+
+
+def test_every_trainer_snippet_is_the_code_its_test_runs():
+    """Each code block of docs/training.md marked ``<!-- from: PATH -->`` appears, line for line
+    and in order, in PATH (a test, its driver, or the example a test runs): the docs show the
+    code that runs, not a copy that can drift."""
+    root = DOC.parents[1]
+    snippets = SNIPPET.findall(DOC.read_text())
+    sources = {path for path, _ in snippets}
+    assert len(snippets) >= 7 and {  # one per trainer at least
+        "tests/belayer/wrappers/test_minisweagent_real.py", "tests/belayer/wrappers/episodes.py",
+        "tests/belayer/wrappers/test_areal_workflow.py", "tests/belayer/wrappers/test_skyrl.py",
+        "tests/belayer/wrappers/verl_driver.py", "belayer/examples/trl_grpo/run.py"} <= sources, sources
+    for path, block in snippets:
+        lines = [line.rstrip() for line in block.strip("\n").splitlines()]
+        source = [line.rstrip() for line in (root / path).read_text().splitlines()]
+        starts = [i for i, line in enumerate(source) if line == lines[0]]
+        assert any(source[i:i + len(lines)] == lines for i in starts), \
+            f"docs/training.md's block from {path} is not in that file:\n{block}"

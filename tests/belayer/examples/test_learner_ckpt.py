@@ -72,7 +72,7 @@ def digest(state: dict) -> str:
 
 def test_sigkill_during_save_resumes_from_newest_complete(tmp_path: Path):
     kill_at = 4
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(kill_at)], cwd=root,
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
     digests, published = {}, []

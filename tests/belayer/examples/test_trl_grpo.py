@@ -4,7 +4,8 @@ A short run of the example's command, exactly as a user runs it (TRL's venv pyth
 module's CLI, its ``--json`` summary): TRL 1.16 trains the embedded model for 2 GRPO steps
 on CPU, its ``rollout_func`` rolling out multi-turn episodes in real containers against a
 real ``RecoverableEngine``, while a container is SIGKILLed and the serving worker is
-SIGKILLed mid-generation at every step. TRL comes from its own venv
+SIGKILLed mid-generation at every step, and one more container is SIGKILLed with every restore of
+its sandbox failing (the infrastructure policy restarts that episode in a fresh sandbox). TRL comes from its own venv
 (``scripts/setup_trl.sh``, part of ``scripts/setup.sh``): a missing venv fails, never skips.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRL_VENV_DEFAULT = "/opt/belayer/trl-venv"
 HINT = "run `bash scripts/setup_trl.sh` (part of `bash scripts/setup.sh`; or set BELAYER_TRL_VENV to its venv)"
 STEPS, PROMPTS, GROUP = 2, 2, 2
@@ -54,7 +55,8 @@ def test_trl_grpo_survives_container_and_worker_kills(docker_client):
     python = trl_python()
     argv = [python, "-m", "belayer.examples.trl_grpo", "--json", "--steps", str(STEPS),
             "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--sft-steps", "4",
-            "--container-kills-per-step", "1", "--worker-kills-per-step", "1", "--parallel", "4"]
+            "--container-kills-per-step", "1", "--worker-kills-per-step", "1", "--beyond-recovery-per-step", "1",
+            "--parallel", "4"]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -77,12 +79,13 @@ def test_trl_grpo_survives_container_and_worker_kills(docker_client):
     # faults on both sides, every one recovered, nothing lost
     injected, recovered = summary["faults_injected"], summary["faults_recovered"]
     assert injected["container_kill"] >= STEPS and injected["worker_sigkill"] >= 1, injected
+    assert injected["beyond_recovery"] == STEPS and summary["fresh_sandbox_retries"] >= STEPS, summary
     assert recovered == injected and summary["all_faults_recovered"], summary
     assert summary["env_recoveries"] >= injected["container_kill"]
     assert summary["engine_handovers"] >= injected["worker_sigkill"]
     assert summary["generations_continued"] >= 1  # a generation in flight went on on the shadow
     assert summary["samples"] == STEPS * PROMPTS * GROUP
-    assert summary["samples_lost"] == 0 and summary["episodes_unrecovered"] == 0
+    assert summary["samples_lost"] == 0 and summary["samples_dropped_with_group"] == 0
 
     # weights synced after every step; each step's samples come from exactly the version
     # pushed before it, and no sample mixes versions
