@@ -34,11 +34,16 @@ class SupervisorConfig(BaseModel):
                                   "in-flight requests with their KV (no re-prefill). 'server': in each SGLang server")
     sglang_kv_tokens: int | None = Field(
         default=None, ge=64, description="sglang backend: the KV pool in tokens (SGLang's --max-total-tokens); None = "
-                                         "--max-total-tokens in worker_args, else 4,096")
+                                         "--max-total-tokens in worker_args, else on a GPU what sglang_kv_fraction "
+                                         "holds, on CPU 4,096")
+    sglang_kv_fraction: float | None = Field(
+        default=None, gt=0, lt=1, description="sglang backend on a GPU, without sglang_kv_tokens: the share of the "
+                                               "device's memory for the weights and the KV pool (None = 0.8); the "
+                                               "rest holds the worker's and shadow's own memory")
     sglang_kv_reserve_tokens: int | None = Field(
         default=None, ge=1, description="sglang backend, sglang_kv='arena': pool slots the serving worker never "
                                         "takes (its shadow's; the promoted shadow's until the dead worker is reaped); "
-                                        "None = 1/16 of the pool within [512, 16,384]")
+                                        "None = 1/64 of the pool within [512, 4,096]")
 
     workers: int = Field(default=1, ge=1)
     shadow: bool = True
@@ -67,7 +72,8 @@ class SupervisorConfig(BaseModel):
         if self.backend != "sglang":
             given = [name for name in ("sglang_venv", "sglang_shadow_memory_saver", "sglang_shadow_release_graphs",
                                        "sglang_cuda_stack_bytes", "sglang_kv", "sglang_kv_tokens",
-                                       "sglang_kv_reserve_tokens") if getattr(self, name) is not None]
+                                       "sglang_kv_reserve_tokens", "sglang_kv_fraction")
+                     if getattr(self, name) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to backend='sglang' (backend is {self.backend!r})")
         return self
@@ -87,7 +93,8 @@ def make_backend(config: SupervisorConfig):
                              shadow_memory_saver=config.sglang_shadow_memory_saver,
                              shadow_release_graphs=bool(config.sglang_shadow_release_graphs),
                              cuda_stack_bytes=config.sglang_cuda_stack_bytes, kv=config.sglang_kv or "arena",
-                             kv_tokens=config.sglang_kv_tokens, kv_reserve_tokens=config.sglang_kv_reserve_tokens)
+                             kv_tokens=config.sglang_kv_tokens, kv_reserve_tokens=config.sglang_kv_reserve_tokens,
+                             kv_fraction=config.sglang_kv_fraction)
     from belayer_engine.backends.reference.launcher import ReferenceBackend
 
     return ReferenceBackend(config.worker_args)

@@ -35,15 +35,8 @@ from pathlib import Path
 
 from belayer_core.errors import BelayerError, ConfigError, WorkerLost
 
-from .launcher import (
-    has_package,
-    inherited_expandable,
-    is_cpu,
-    kv_plan,
-    kv_pool_mib,
-    venv_dir,
-    venv_python,
-)
+from .launcher import has_package, inherited_expandable, venv_dir, venv_python
+from .sizing import GPU_RUNNING, context_default, flag_value, is_cpu, kv_plan, kv_pool_mib
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +66,8 @@ class SGLangBackend:
     def __init__(self, model: str | None, extra_args: list[str] | None = None, venv: str | None = None,
                  device: str = "cpu", shadow_memory_saver: bool | None = None,
                  shadow_release_graphs: bool = False, cuda_stack_bytes: int | None = None,
-                 kv: str = "arena", kv_tokens: int | None = None, kv_reserve_tokens: int | None = None) -> None:
+                 kv: str = "arena", kv_tokens: int | None = None, kv_reserve_tokens: int | None = None,
+                 kv_fraction: float | None = None) -> None:
         if model is None:
             from .model_dir import embedded_config, ensure_embedded_model
 
@@ -89,7 +83,13 @@ class SGLangBackend:
         if kv == "arena" and (shadow_memory_saver or shadow_release_graphs):
             raise ConfigError("sglang_shadow_memory_saver / _release_graphs: with sglang_kv='arena' the shadow holds "
                               "no KV pool of its own to release (use sglang_kv='server')")
-        self.kv_tokens, self.kv_reserve_tokens = kv_plan(kv_tokens, kv_reserve_tokens, self.extra_args)
+        if kv == "server" and kv_fraction is not None:
+            raise ConfigError("sglang_kv_fraction sizes the arena's pool (sglang_kv='arena'); with 'server' give "
+                              "sglang_kv_tokens (a resident shadow holds a second pool of that size)")
+        # kv="server" keeps its small default pool: a resident shadow holds a second one.
+        self.kv_tokens, self.kv_reserve_tokens = kv_plan(kv_tokens, kv_reserve_tokens, self.extra_args,
+                                                         self.model if kv == "arena" else None, device, kv_fraction)
+        self.sizes = self._sizes(device) if kv == "arena" else ["--max-total-tokens", str(self.kv_tokens)]
         if kv == "arena":
             shadow_memory_saver = False
         self.shadow_memory_saver = self._saver_wanted(device, shadow_memory_saver)
@@ -130,6 +130,17 @@ class SGLangBackend:
             return False
         return present
 
+    def _sizes(self, device: str) -> list[str]:
+        """SGLang flags for what users run, where ``extra_args`` do not say: on a GPU the
+        model's own context (capped at 64K) and 64 running requests; the KV pool always."""
+        out = ["--max-total-tokens", str(self.kv_tokens)]
+        if not is_cpu(device):
+            if flag_value(self.extra_args, ("--context-length",)) is None:
+                out += ["--context-length", str(context_default(self.model, device))]
+            if flag_value(self.extra_args, ("--max-running-requests",)) is None:
+                out += ["--max-running-requests", str(GPU_RUNNING)]
+        return out
+
     @staticmethod
     def weight_cache_socket(slot) -> str:
         return str(Path(slot.run_dir) / f"wcache-{slot.name}.sock")
@@ -164,7 +175,7 @@ class SGLangBackend:
             # default goes up to the chunked-prefill size, capped at max_total_tokens).
             argv += ["--cuda-graph-max-bs-prefill", str(SHADOW_PREFILL_GRAPH_TOKENS)]
         argv += ["--shadow"] if spec.shadow else []
-        return argv + self.extra_args + ["--max-total-tokens", str(self.kv_tokens)]
+        return argv + self.sizes + self.extra_args  # the user's flags last: SGLang takes the last of each
 
     def worker_env(self, base: dict[str, str]) -> dict[str, str]:
         return dict(base)  # server.py builds SGLang's own environment before it execs

@@ -10,7 +10,6 @@ owns them (``--weight-cache-mode client``).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +17,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from belayer_core.errors import ConfigError
+
+from .sizing import CPU_CONTEXT, CPU_KV_TOKENS, CPU_RUNNING, checkpoint_dtype, flag_value, is_cpu
 
 DEFAULT_VENV = "/opt/belayer/sglang-venv"
 SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
@@ -37,9 +38,9 @@ class SGLangServerConfig(BaseModel):
     device: str = "cpu"
     weight_cache_socket: str | None = None  # None: SGLang loads the weights from disk
     venv: str | None = None  # None: $BELAYER_SGLANG_VENV or /opt/belayer/sglang-venv
-    max_total_tokens: int = Field(default=4096, ge=64)
-    context_length: int = Field(default=2048, ge=16)
-    max_running_requests: int = Field(default=16, ge=1)
+    max_total_tokens: int = Field(default=CPU_KV_TOKENS, ge=64)
+    context_length: int = Field(default=CPU_CONTEXT, ge=16)
+    max_running_requests: int = Field(default=CPU_RUNNING, ge=1)
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's own dtype (config.json) on GPU
     attention_backend: str | None = None  # None: torch_native on CPU, triton on GPU
     threads: int = Field(default=1, ge=1, description="OMP threads of the CPU forward")
@@ -76,10 +77,6 @@ def venv_python(venv: str | None = None) -> Path:
     if not py.is_file():
         raise ConfigError(f"no SGLang environment at {venv_dir(venv)}: {SETUP_HINT}")
     return py
-
-
-def is_cpu(device: str) -> bool:
-    return device == "cpu"
 
 
 def server_argv(cfg: SGLangServerConfig) -> list[str]:
@@ -164,78 +161,10 @@ def inherited_expandable(env: Mapping[str, str]) -> str | None:
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
 
 
-def flag_value(extra_args: list[str], names: tuple[str, ...]) -> str | None:
-    """The value ``extra_args`` give the SGLang flag spelled ``names`` (the last one wins, as
-    in SGLang's argparse); None when none does."""
-    found = None
-    for i, arg in enumerate(extra_args):
-        name, eq, value = arg.partition("=")
-        if name in names:
-            found = value if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else "")
-    return found
-
-
 def tp_size(extra_args: list[str]) -> int:
     """The tensor-parallel size SGLang flags in ``extra_args`` ask for (1 when none do)."""
     value = flag_value(extra_args, TP_FLAGS) or ""
     return int(value) if value.isdigit() else 1
-
-
-RESERVE_MIN, RESERVE_MAX = 512, 16384
-
-
-def kv_plan(tokens: int | None, reserve: int | None, extra_args: list[str]) -> tuple[int, int]:
-    """The KV pool's size in tokens (every server's ``--max-total-tokens``) and the reserve
-    beside it (``kv_pool.py``). ``tokens``: given, else ``--max-total-tokens`` in
-    ``extra_args``, else the launcher's default. ``reserve``: given, else 1/16 of the pool
-    within [512, 16,384]: room for the promoted shadow's first allocations (one token per
-    adopted request, then decode) until the dead server is reaped (~0.5-1.5 s on a GPU)."""
-    if tokens is None:
-        flag = flag_value(extra_args, ("--max-total-tokens",))
-        tokens = int(flag) if flag and flag.isdigit() else SGLangServerConfig.model_fields["max_total_tokens"].default
-    if tokens < 64:
-        raise ConfigError(f"sglang_kv_tokens={tokens}: a KV pool needs at least 64 tokens")
-    if reserve is None:
-        reserve = min(RESERVE_MAX, max(RESERVE_MIN, tokens // 16))
-    if reserve < 1:
-        raise ConfigError(f"sglang_kv_reserve_tokens={reserve}: must be at least 1")
-    return tokens, reserve
-
-
-def kv_pool_mib(model_path: str, extra_args: list[str]) -> float | None:
-    """MiB of the KV pool a server of ``model_path`` allocates: ``max_total_tokens`` (the
-    launcher's, or ``--max-total-tokens`` in ``extra_args``) x layers x 2 x KV heads x head
-    dim x the checkpoint dtype's bytes; None when config.json does not say."""
-    tokens = flag_value(extra_args, ("--max-total-tokens",))
-    tokens = int(tokens) if tokens and tokens.isdigit() else SGLangServerConfig.model_fields["max_total_tokens"].default
-    config = _hf_config(model_path)
-    try:
-        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        layers = config["num_hidden_layers"]
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
-    width = 4 if _dtype(config) == "float32" else 2
-    return tokens * layers * 2 * heads * head_dim * width / 2**20
-
-
-def checkpoint_dtype(model_path: str) -> str | None:
-    """``torch_dtype`` (or ``dtype``) of an HF model dir's config.json; None when absent."""
-    return _dtype(_hf_config(model_path))
-
-
-def _hf_config(model_path: str) -> dict:
-    """An HF model dir's config.json ({} when absent or not a JSON object)."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _dtype(config: dict) -> str | None:
-    dtype = config.get("torch_dtype") or config.get("dtype")
-    return dtype if isinstance(dtype, str) else None
 
 
 def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -98,11 +98,12 @@ def test_gc_reaps_sglang_shm_files_nobody_maps():
 
 
 def test_the_arena_accepts_the_sglang_backends_options(tmp_path):
-    """The arena options the SGLang backend adds parse into a valid ArenaConfig."""
+    """The arena options the SGLang backend adds parse into a valid config of the arena program
+    it names (the SGLang arena: the weight cache and, by default, the KV pool)."""
     import argparse
 
-    from belayer_engine.arena.config import FLAGS, add_flags
     from belayer_engine.backends.base import SlotSpec
+    from belayer_engine.backends.sglang.arena import FLAGS, add_flags
     from belayer_engine.backends.sglang.backend import SGLangBackend
 
     venv = tmp_path / "venv"
@@ -114,6 +115,8 @@ def test_the_arena_accepts_the_sglang_backends_options(tmp_path):
     add_flags(p)
     cfg = FLAGS.build(p.parse_args(["--socket", str(slot.arena_socket), *backend.arena_argv(slot)]))
     assert cfg.weight_cache_socket == backend.weight_cache_socket(slot) and cfg.model_dir == str(tmp_path / "model")
+    assert backend.arena_module == "belayer_engine.backends.sglang.arena"
+    assert cfg.kv_pool and cfg.kv_reserve_tokens == backend.kv_reserve_tokens == 512  # 1/64 of 4,096, at least 512
 
 
 def _fake_venv(tmp_path, *packages: str) -> str:
@@ -136,16 +139,16 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
 
     monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
     plain, saver = _fake_venv(tmp_path / "a"), _fake_venv(tmp_path / "b", "torch_memory_saver")
-    assert not SGLangBackend("m", venv=plain, device="cuda:0").shadow_memory_saver  # auto: absent -> off
-    assert not SGLangBackend("m", venv=saver, device="cpu").shadow_memory_saver  # auto: CPU -> off
+    assert not SGLangBackend("m", kv="server", venv=plain, device="cuda:0").shadow_memory_saver  # auto: absent -> off
+    assert not SGLangBackend("m", kv="server", venv=saver, device="cpu").shadow_memory_saver  # auto: CPU -> off
     with pytest.raises(ConfigError, match="CUDA device"):
-        SGLangBackend("m", venv=saver, device="cpu", shadow_memory_saver=True)
+        SGLangBackend("m", kv="server", venv=saver, device="cpu", shadow_memory_saver=True)
     with pytest.raises(ConfigError, match="torch_memory_saver is not installed"):
-        SGLangBackend("m", venv=plain, device="cuda:0", shadow_memory_saver=True)
+        SGLangBackend("m", kv="server", venv=plain, device="cuda:0", shadow_memory_saver=True)
     with pytest.raises(ValueError, match="only apply to backend='sglang'"):
         SupervisorConfig(sglang_shadow_memory_saver=True)
 
-    backend = SGLangBackend("m", venv=saver, device="cuda:0")
+    backend = SGLangBackend("m", kv="server", venv=saver, device="cuda:0")
     assert backend.shadow_memory_saver and backend.isolated_kv
     slot = SlotSpec(name="w0", device="cuda:0", arena_socket=tmp_path / "a.sock", run_dir=tmp_path)
     shadow = backend.worker_argv(slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
@@ -154,15 +157,15 @@ def test_shadow_memory_saver_only_where_it_can_work(tmp_path, monkeypatch):
     assert "--memory-saver-graphs" not in shadow and backend.releasable == ("kv_cache",)  # graphs stay resident
     assert shadow[shadow.index("--cuda-graph-max-bs-prefill") + 1] == str(SHADOW_PREFILL_GRAPH_TOKENS)  # small prefill graphs, shadow only
     assert "--cuda-graph-max-bs-prefill" not in worker
-    own = SGLangBackend("m", ["--cuda-graph-max-bs-prefill", "64"], venv=saver, device="cuda:0")
+    own = SGLangBackend("m", ["--cuda-graph-max-bs-prefill", "64"], kv="server", venv=saver, device="cuda:0")
     argv = own.worker_argv(slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
     assert argv.count("--cuda-graph-max-bs-prefill") == 1 and argv[-1] == "64"  # the user's choice wins
-    graphs_too = SGLangBackend("m", venv=saver, device="cuda:0", shadow_release_graphs=True)
+    graphs_too = SGLangBackend("m", kv="server", venv=saver, device="cuda:0", shadow_release_graphs=True)
     assert graphs_too.releasable == ("kv_cache", "cuda_graph")
     assert "--memory-saver-graphs" in graphs_too.worker_argv(
         slot, WorkerSpec(worker_id="s", host="127.0.0.1", port=9, shadow=True))
     with pytest.raises(ConfigError, match="needs the shadow memory saver"):
-        SGLangBackend("m", venv=plain, device="cuda:0", shadow_release_graphs=True)
+        SGLangBackend("m", kv="server", venv=plain, device="cuda:0", shadow_release_graphs=True)
 
     on_gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=saver, memory_saver=True)
     argv, env = server_argv(on_gpu), server_env(on_gpu, base={})
@@ -190,13 +193,13 @@ def test_cuda_stack_limit_reaches_gpu_servers_only(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="cuda_stack_bytes=256 needs a CUDA device"):
         server_argv(gpu.model_copy(update={"device": "cpu"}))
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        SGLangBackend("m", venv=venv, device="cpu", cuda_stack_bytes=256)
+        SGLangBackend("m", kv="server", venv=venv, device="cpu", cuda_stack_bytes=256)
     with pytest.raises(ValueError, match="sglang_cuda_stack_bytes only apply to backend='sglang'"):
         SupervisorConfig(sglang_cuda_stack_bytes=256)
 
     slot = SlotSpec(name="w0", device="cuda:0", arena_socket=tmp_path / "a.sock", run_dir=tmp_path)
     for shadow in (False, True):
-        argv = SGLangBackend("m", venv=venv, device="cuda:0", cuda_stack_bytes=512).worker_argv(
+        argv = SGLangBackend("m", kv="server", venv=venv, device="cuda:0", cuda_stack_bytes=512).worker_argv(
             slot, WorkerSpec(worker_id="w", host="127.0.0.1", port=8, shadow=shadow))
         assert argv[argv.index("--cuda-stack-bytes") + 1] == "512"
     from belayer_engine.backends.sglang.server import parse
@@ -256,7 +259,7 @@ def test_a_small_kv_pool_stays_resident_in_the_shadow(tmp_path, monkeypatch):
     import json
 
     from belayer_engine.backends.sglang.backend import RESIDENT_KV_MIB, SGLangBackend
-    from belayer_engine.backends.sglang.launcher import kv_pool_mib
+    from belayer_engine.backends.sglang.sizing import kv_pool_mib
 
     monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
     saver = _fake_venv(tmp_path, "torch_memory_saver")
@@ -268,10 +271,10 @@ def test_a_small_kv_pool_stays_resident_in_the_shadow(tmp_path, monkeypatch):
     assert kv_pool_mib(str(model), []) == 576 <= RESIDENT_KV_MIB
     assert kv_pool_mib(str(model), ["--max-total-tokens", "8192", "--max-total-tokens=65536"]) == 9216
     assert kv_pool_mib(str(tmp_path / "nowhere"), []) is None
-    assert not SGLangBackend(str(model), venv=saver, device="cuda:0").shadow_memory_saver
-    assert SGLangBackend(str(model), ["--max-total-tokens", "65536"], venv=saver, device="cuda:0").shadow_memory_saver
-    assert SGLangBackend(str(model), venv=saver, device="cuda:0", shadow_memory_saver=True).shadow_memory_saver
-    assert SGLangBackend("m", venv=saver, device="cuda:0").shadow_memory_saver  # pool unknown: released
+    assert not SGLangBackend(str(model), kv="server", venv=saver, device="cuda:0").shadow_memory_saver
+    assert SGLangBackend(str(model), ["--max-total-tokens", "65536"], kv="server", venv=saver, device="cuda:0").shadow_memory_saver
+    assert SGLangBackend(str(model), kv="server", venv=saver, device="cuda:0", shadow_memory_saver=True).shadow_memory_saver
+    assert SGLangBackend("m", kv="server", venv=saver, device="cuda:0").shadow_memory_saver  # pool unknown: released
 
 
 def test_memory_saver_never_runs_with_inherited_expandable_segments(tmp_path, monkeypatch):
@@ -285,15 +288,15 @@ def test_memory_saver_never_runs_with_inherited_expandable_segments(tmp_path, mo
     for var, value in (("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True"),
                        ("PYTORCH_ALLOC_CONF", "expandable_segments:true")):
         monkeypatch.setenv(var, value)
-        assert not SGLangBackend("m", venv=saver, device="cuda:0").shadow_memory_saver
+        assert not SGLangBackend("m", kv="server", venv=saver, device="cuda:0").shadow_memory_saver
         with pytest.raises(ConfigError, match=f"{var}=.*expandable"):
-            SGLangBackend("m", venv=saver, device="cuda:0", shadow_memory_saver=True)
+            SGLangBackend("m", kv="server", venv=saver, device="cuda:0", shadow_memory_saver=True)
         on_gpu = SGLangServerConfig(model_path="m", port=9, device="cuda:0", venv=saver, memory_saver=True)
         with pytest.raises(ConfigError, match=f"memory_saver releases only what cudaMalloc gave, and {var}="):
             server_env(on_gpu, base={var: value})
         monkeypatch.delenv(var)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    assert SGLangBackend("m", venv=saver, device="cuda:0").shadow_memory_saver
+    assert SGLangBackend("m", kv="server", venv=saver, device="cuda:0").shadow_memory_saver
 
 
 def test_cuda_stack_hook_wraps_the_real_sglang_scheduler():

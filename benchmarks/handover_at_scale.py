@@ -1,0 +1,236 @@
+"""Kill -> next token for every request in flight, as a function of the work (SGLang backend).
+
+One question: how long does each client wait for its next token when the serving SGLang
+server is SIGKILLed, with N streamed requests of C-token contexts in flight and a KV pool of
+P tokens, for each way the engine can hold the KV:
+
+- ``adopt``: the pool lives in the arena; the shadow adopts the dead server's requests with
+  their KV (sglang_kv="arena", the default);
+- ``resident``: each server owns its pool, the idle shadow keeps its own (sglang_kv="server");
+- ``released``: the same, the idle shadow's pool released by the memory saver and resumed on
+  promotion (GPU with torch_memory_saver);
+- ``replay``: resident, with the generated ids decoded again, forced (recovery="replay").
+
+Each cell (C, N) runs once without a fault (the reference ids), then again with the kill
+once every request has ``--kill-after`` tokens; the engine re-arms its shadow in between.
+Per request: kill -> its next token at the client, the first id that differs from the
+reference, the ids the continuation found in the cache (``adopted_tokens``). The engine's
+processes' memory is read once per mode; ``--plain`` also starts a plain SGLang server at the
+same KV pool. JSON + plot in benchmarks/results/ (written after every cell).
+
+    python benchmarks/handover_at_scale.py --cells 128x1,1024x4 --kv-tokens 8192      # CPU
+    bash benchmarks/sglang_gpu_env.sh python3 benchmarks/handover_at_scale.py --device cuda:0 \\
+        --model-dir DIR --kv-tokens 300000 --context 40960 --cells 128x1,2048x16,8192x16 --modes adopt,released
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _procmem as procmem  # benchmarks/, on sys.path when run as a script
+import _scale_plot
+import aiohttp
+
+from belayer_engine.engine import RecoverableEngine
+from belayer_engine.router import RouterConfig
+
+MODES = {"adopt": ({"sglang_kv": "arena"}, "token"), "resident": ({"sglang_kv": "server", "sglang_shadow_memory_saver": False}, "token"),
+         "released": ({"sglang_kv": "server", "sglang_shadow_memory_saver": True}, "token"),
+         "replay": ({"sglang_kv": "server", "sglang_shadow_memory_saver": False}, "replay")}
+
+
+async def _stream(session, base: str, ids: list[int], max_new: int, rec: dict) -> None:
+    """One streamed native request; ``rec`` gets (monotonic time, ids so far) per chunk."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                                                   "ignore_eos": True}}
+    rec.update(chunks=[], ids=[], meta={})
+    async with session.post(base + "/generate", json=body) as resp:
+        async for line in resp.content:
+            line = line.strip()
+            if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
+                continue
+            data = json.loads(line[5:])
+            if "error" in data:
+                raise RuntimeError(f"request failed: {data['error']}")
+            if len(data.get("output_ids", [])) > len(rec["ids"]):
+                rec["ids"] = list(data["output_ids"])
+                rec["chunks"].append((time.monotonic(), len(rec["ids"])))
+            rec["meta"] = data.get("meta_info", rec["meta"])
+
+
+async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: int | None) -> list[dict]:
+    base = engine.base_url.removesuffix("/v1")
+    recs = [{} for _ in prompts]
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        tasks = [asyncio.create_task(_stream(session, base, p, max_new, r)) for p, r in zip(prompts, recs, strict=True)]
+        t_kill = None
+        if kill_after is not None:
+            while min(len(r.get("ids", [])) for r in recs) < kill_after:
+                if any(t.done() for t in tasks):
+                    raise RuntimeError("a request ended before the kill point")
+                await asyncio.sleep(0.002)
+            t_kill = time.monotonic()
+            os.killpg(engine.worker_pid(0), signal.SIGKILL)
+        await asyncio.gather(*tasks)
+    for r in recs:
+        r["t_kill"] = t_kill
+        if t_kill is not None:
+            before = [n for t, n in r["chunks"] if t <= t_kill]
+            after = [t for t, n in r["chunks"] if t > t_kill]
+            r["at_kill"] = before[-1] if before else 0
+            r["next_token_s"] = (after[0] - t_kill) if after else None
+    return recs
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(x for x in xs if x is not None)
+    return {"p50": statistics.median(xs), "max": xs[-1], "min": xs[0], "n": len(xs)} if xs else {"n": 0}
+
+
+def _memory(engine) -> dict:
+    gpu = procmem.gpu_mib()
+    sup = engine.supervisor
+    slot = sup.slots[0]
+    out = {}
+    for role, proc in (("arena", slot.arena), ("worker", slot.worker), ("shadow", slot.shadow)):
+        if proc is None:
+            continue
+        out[role] = {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1]}
+    if gpu:
+        out["engine_gpu_mib"] = sum(v["gpu_mib"] or 0 for v in out.values())
+    return out
+
+
+def _plain_memory(args) -> dict:
+    """A plain SGLang server at the same KV pool: its memory once ready (the baseline)."""
+    from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
+    from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
+    from belayer_engine.common.net import free_port
+
+    model = args.model_dir or str(ensure_embedded_model())
+    cfg = SGLangServerConfig(model_path=model, port=free_port(), device=args.device, venv=args.sglang_venv,
+                             max_total_tokens=args.kv_tokens, context_length=args.context,
+                             max_running_requests=args.max_running)
+    proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            try:
+                if subprocess.run(["curl", "-sf", f"http://127.0.0.1:{cfg.port}/health"], timeout=5).returncode == 0:
+                    break
+            except subprocess.SubprocessError:
+                pass
+            time.sleep(1)
+        gpu = procmem.gpu_mib()
+        return {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1]}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_mode(mode: str, args, result: dict, save) -> None:
+    options, recovery = MODES[mode]
+    router = RouterConfig(request_wait_s=900, stall_timeout_s=120.0, recovery=recovery)
+    worker_args = ["--context-length", str(args.context), "--max-running-requests", str(args.max_running),
+                   *args.worker_arg]
+    rng = random.Random(args.seed)
+    t0 = time.monotonic()
+    with RecoverableEngine.launch(backend="sglang", device=args.device, model=args.model_dir, router=router,
+                                  sglang_venv=args.sglang_venv, sglang_kv_tokens=args.kv_tokens,
+                                  worker_args=worker_args, start_timeout_s=900, **options) as engine:
+        engine.wait_ready(timeout=900, stable=True)
+        entry = result["modes"].setdefault(mode, {"start_s": time.monotonic() - t0, "memory": _memory(engine),
+                                                   "cells": {}})
+        save()
+        vocab = args.vocab
+        for context, inflight in args.cells:
+            length = context - args.max_new
+            prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(inflight)]
+            reference = asyncio.run(run_cell(engine, prompts, args.max_new, None))
+            engine.wait_ready(timeout=900, stable=True)
+            killed = asyncio.run(run_cell(engine, prompts, args.max_new, args.kill_after))
+            engine.wait_ready(timeout=900, stable=True)
+            handover = [e for e in engine.events() if e["event"] == "handover"][-1]
+            per = [{"next_token_s": k["next_token_s"], "at_kill": k["at_kill"],
+                    "first_diff": _first_diff(k["ids"], r["ids"]),
+                    "adopted_tokens": (k["meta"].get("belayer") or {}).get("adopted_tokens"),
+                    "reprefilled_tokens": (k["meta"].get("belayer") or {}).get("reprefilled_tokens"),
+                    "recoveries": (k["meta"].get("belayer") or {}).get("recoveries")}
+                   for k, r in zip(killed, reference, strict=True)]
+            entry["cells"][f"{context}x{inflight}"] = {
+                "context": context, "inflight": inflight, "next_token_s": _stats([p["next_token_s"] for p in per]),
+                "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
+                "requests": per}
+            print(f"{mode} {context}x{inflight}: next token p50 {entry['cells'][f'{context}x{inflight}']['next_token_s']}"
+                  f", identical {entry['cells'][f'{context}x{inflight}']['identical']}/{inflight}", flush=True)
+            save()
+
+
+def _cells(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in cell.split("x")) for cell in text.split(",")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model-dir", default=None, help="HF dir (GPU: ensure_embedded_model(cfg=ModelConfig.qwen3_4b()))")
+    p.add_argument("--sglang-venv", default=None)
+    p.add_argument("--modes", default="adopt,resident")
+    p.add_argument("--cells", type=_cells, default=_cells("128x1,1024x4"), help="CONTEXTxINFLIGHT,...")
+    p.add_argument("--kv-tokens", type=int, default=8192, help="the KV pool (every server's --max-total-tokens)")
+    p.add_argument("--context", type=int, default=4096, help="the servers' --context-length")
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--kill-after", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=500, help="prompt ids are drawn from [1, vocab)")
+    p.add_argument("--worker-arg", action="append", default=[])
+    p.add_argument("--plain", action="store_true", help="also measure a plain SGLang server's memory at the same KV")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args()
+    name = f"handover_at_scale_{args.device.replace(':', '')}{'_' + args.tag if args.tag else ''}"
+    path = Path(args.out) / f"{name}.json"
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip() if args.device != "cpu" else None
+    result = {"question": "kill -> next token per request in flight, by context, in-flight count and KV mode",
+              "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu},
+              "args": {k: v for k, v in vars(args).items() if k != "out"}, "modes": {}, "plain": None}
+
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        _scale_plot.plot(result, path.with_suffix(".png"))
+
+    for mode in args.modes.split(","):
+        try:
+            run_mode(mode, args, result, save)
+        except Exception as exc:  # one mode's failure is a result too; the others still run
+            result["modes"].setdefault(mode, {})["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"{mode} failed: {exc}", file=sys.stderr, flush=True)
+            save()
+    if args.plain:
+        result["plain"] = _plain_memory(args)
+        save()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
