@@ -28,7 +28,8 @@ from pathlib import Path
 from belayer_env.criu import hooks as criu_hooks
 from belayer_env.criu import runtime
 from belayer_env.sandbox import freezer
-from belayer_env.sandbox.container import DockerSandbox, create_container
+from belayer_env.sandbox.container import DockerSandbox
+from belayer_env.sandbox.create import create_container
 from belayer_env.sandbox.fence import fence, sandbox_containers
 
 SCRATCH = Path("/dev/shm")

@@ -51,7 +51,7 @@ from belayer_env.capture.checkpoint import full_checkpoint  # noqa: E402
 from belayer_env.criu import runtime  # noqa: E402
 from belayer_env.host import fast_tar, loopback, netns_hash  # noqa: E402
 from belayer_env.host.native import NATIVE, compile_static  # noqa: E402
-from belayer_env.sandbox import container  # noqa: E402
+from belayer_env.sandbox import create  # noqa: E402
 from belayer_env.sandbox.config import INIT_COMMAND, LEGACY_INIT_COMMANDS  # noqa: E402
 from belayer_env.sandbox.docker_api import connect  # noqa: E402
 from belayer_env.sandbox.fence import fence  # noqa: E402
@@ -109,11 +109,11 @@ def run_scenario(client, scenario: str, runs: int, store: CheckpointStore, run_i
     try:
         for tables, init in sorted({v[:2] for v in VARIANTS.values()}):
             set_tables(0 if tables == "shared" else netns_hash.TARGET_ENTRIES)
-            container.INIT_COMMAND = INIT_COMMAND if init == "one" else LEGACY_INIT_COMMANDS[0]
+            create.INIT_COMMAND = INIT_COMMAND if init == "one" else LEGACY_INIT_COMMANDS[0]
             try:
                 sandboxes[tables, init] = bench_sandbox(client, scenario, f"{run_id}-{tables}-{init}")
             finally:
-                container.INIT_COMMAND = INIT_COMMAND
+                create.INIT_COMMAND = INIT_COMMAND
         for proto, value in found.items():
             netns_hash.SETTINGS[proto].write_text(f"{value}\n")
         for sb in sandboxes.values():

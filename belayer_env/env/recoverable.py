@@ -40,7 +40,7 @@ from belayer_env.restore.spare import RestoreSpare, kept_filled
 from belayer_env.sandbox.config import ResetOptions, SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import connect
-from belayer_env.sandbox.fence import wait_removed
+from belayer_env.sandbox.removal import wait_removed
 from belayer_env.store.manifest import Checkpoint
 
 OWN_EXITS_TO_END = 2

@@ -36,7 +36,7 @@ from belayer_env.restore.restore import full_restore
 from belayer_env.restore.spare import RestoreSpare, kept_filled
 from belayer_env.restore.standby import Standby, meminfo_available, promote_or_none
 from belayer_env.sandbox.container import DockerSandbox
-from belayer_env.sandbox.fence import remove_in_background
+from belayer_env.sandbox.removal import remove_in_background
 from belayer_env.store.manifest import Checkpoint
 
 Recorder = Callable[..., Any]  # Trajectory.record

@@ -1,7 +1,7 @@
 """What every fork of a checkpoint needs, verified once: its runtime images and its shared layer.
 
 ``fork(ck, n)`` verifies the checkpoint's CRIU images into a directory all forks link to
-(``verified_images``) and unpacks its layer as a shared lower layer (``shared_layer.lease``),
+(``verified_images``) and unpacks its layer as a shared lower layer (``shared_lease.lease``),
 then starts the forks; for the heavy benchmark sandbox that is 0.25-0.7 s of a pooled
 ``fork(ck, 8)`` on 2 cores before the first start (docs/fork.md).
 
@@ -31,7 +31,7 @@ from belayer_env.common.background import Background
 from belayer_env.criu import runtime
 from belayer_env.restore import prestaging
 from belayer_env.restore.restore import DEFAULT_IMAGES
-from belayer_env.store import in_memory, shared_layer, shared_sweep
+from belayer_env.store import in_memory, shared_lease, shared_sweep
 from belayer_env.store.manifest import Checkpoint, read_manifest_digest
 from belayer_env.store.store import owner_tag
 
@@ -48,7 +48,7 @@ def verified_images(checkpoint: Checkpoint, client: docker.DockerClient, data: d
     try:
         d.mkdir(mode=0o700, parents=True)
         if DEFAULT_IMAGES == "linked" and in_memory.memory_allowed(cap):
-            in_memory.try_mount_tmpfs(d, cap, source=in_memory.FORK, mode="0700")  # the forks symlink to it (restore._link_all)
+            in_memory.try_mount_tmpfs(d, cap, source=in_memory.FORK, mode="0700")  # the forks symlink to it (staged.link_all)
         runtime.install(Path(checkpoint.path), data["files"], d)
     except BaseException:
         discard_images(d)
@@ -79,7 +79,7 @@ class ForkAhead:
     def _make(self, ck: Checkpoint, client: docker.DockerClient) -> tuple[str, Path | None]:
         data, digest = read_manifest_digest(Path(ck.path))
         shared = self._stack.enter_context(
-            shared_layer.lease(client, ck, prestaging.docker_root(client), data, digest))
+            shared_lease.lease(client, ck, prestaging.docker_root(client), data, digest))
         images = None
         if ck.has_runtime and not self._closed:
             images = verified_images(ck, client, data)

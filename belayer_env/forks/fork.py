@@ -45,7 +45,7 @@ from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import connect
 from belayer_env.sandbox.fence import fence
-from belayer_env.store import layer, shared_layer, shared_sweep
+from belayer_env.store import layer, shared_layer, shared_lease, shared_sweep
 from belayer_env.store.manifest import Checkpoint, read_manifest_digest
 
 MAX_FORKS = 64
@@ -144,7 +144,7 @@ def _fork_shared(restore: Restore, checkpoint: Checkpoint, client: docker.Docker
                 images_job.set_result(borrowed)
             elif checkpoint.has_runtime:
                 images_job = one.submit(verified_images, checkpoint, client, data)
-            with shared_layer.lease(client, checkpoint, root, data, digest) as shared:
+            with shared_lease.lease(client, checkpoint, root, data, digest) as shared:
                 slots = pool.take_for(checkpoint.config, data, n) if pool is not None and shared is not None else []
                 if slots:  # the pool's containers, then new ones for the rest
                     names = [s.target for s in slots] + names[len(slots):]
@@ -152,7 +152,7 @@ def _fork_shared(restore: Restore, checkpoint: Checkpoint, client: docker.Docker
                     return _restore_all(restore, checkpoint, client, names, parallel, shared, images_job, not generated,
                                         slots)
                 except RestoreFailed as e:
-                    if not isinstance(e.__cause__, shared_layer.Unshareable):
+                    if not isinstance(e.__cause__, shared_lease.Unshareable):
                         raise
             # hardlinked files (learnt while unpacking): every fork was fenced; a copy each
             return _restore_all(restore, checkpoint, client, names, parallel, None, images_job, not generated)

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from belayer_core.errors import UsageError
 from belayer_env.forks.ahead import ForkAhead
 from belayer_env.restore.spare import MAX_POOL, ContainerPool, RestoreSpare, Slot
-from belayer_env.sandbox.container import DockerSandbox, create_container
+from belayer_env.sandbox.container import DockerSandbox
+from belayer_env.sandbox.create import create_container
 from belayer_env.sandbox.ownership import SANDBOX_NAME
 from belayer_env.store import shared_layer
 from belayer_env.store.manifest import Checkpoint

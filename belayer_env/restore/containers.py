@@ -12,9 +12,9 @@ import docker
 
 from belayer_env.restore.spare import Slot
 from belayer_env.sandbox import disk, fence
-from belayer_env.sandbox.container import create_container
-from belayer_env.sandbox.fence import remove_quietly
+from belayer_env.sandbox.create import create_container
 from belayer_env.sandbox.ownership import SANDBOX_NAME
+from belayer_env.sandbox.removal import remove_quietly
 from belayer_env.store import shared_layer
 from belayer_env.store.manifest import Checkpoint
 

@@ -2,7 +2,7 @@
 
 Through the kernel (``promote_kernel``) where the standby's freezer cgroup is readable here:
 fence (SIGKILL each listed container's init, dead once its cgroup is empty), thaw, verify,
-and Docker's names after the critical path (``fence.settle_later``). Else through Docker
+and Docker's names after the critical path (``naming.settle_later``). Else through Docker
 (``promote_docker``): its unpause beside the fence. Either way a failure fences the standby
 under both names: nothing half-promoted runs.
 """
@@ -19,7 +19,7 @@ import docker
 from belayer_core.errors import SandboxLost
 from belayer_env.common.background import Background
 from belayer_env.common.phases import Phase, PhaseHook
-from belayer_env.sandbox import fence, freezer
+from belayer_env.sandbox import fence, freezer, naming, removal
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.roster import Roster
@@ -52,7 +52,7 @@ def promote_kernel(client: docker.DockerClient, hook: PhaseHook, checkpoint: Che
         killed, done = fence.kill_kernel(client, name, found)
         t1 = time.perf_counter()
         phases["fence_s"] = t1 - t0
-        fence.add_alias(name, cid)  # a container of ``name`` from here on, in every listing of it
+        naming.add_alias(name, cid)  # a container of ``name`` from here on, in every listing of it
         if not freezer.thaw(cid):
             raise SandboxLost(f"standby {standby} could not be thawed")
         t2 = time.perf_counter()
@@ -66,10 +66,10 @@ def promote_kernel(client: docker.DockerClient, hook: PhaseHook, checkpoint: Che
         with contextlib.suppress(Exception):  # under either name: nothing half-promoted runs
             fence.fence(client, standby, background=False)
             fence.fence(client, name, background=False)
-        fence.drop_alias(name, cid)
+        naming.drop_alias(name, cid)
         raise
     # Docker's names after the critical path (a thread started earlier would compete for the CPU)
-    fence.settle_later(name, _take_name, client, name, standby, cid, killed, done, phases)
+    naming.settle_later(name, _take_name, client, name, standby, cid, killed, done, phases)
     return DockerSandbox.attach(cid, checkpoint.config, name, client)
 
 
@@ -96,7 +96,7 @@ def promote_docker(client: docker.DockerClient, hook: PhaseHook, checkpoint: Che
             fence.fence(client, standby, background=False)
             fence.fence(client, name, background=False)
         raise
-    fence.remove_in_background(client, fenced)
+    removal.remove_in_background(client, fenced)
     return promoted
 
 
@@ -116,8 +116,8 @@ def _take_name(client: docker.DockerClient, name: str, standby: str, cid: str, k
             fence.fence(client, standby, background=False)
         raise
     finally:
-        fence.drop_alias(name, cid)
-        fence.remove_in_background(client, killed + done)
+        naming.drop_alias(name, cid)
+        removal.remove_in_background(client, killed + done)
     phases["names_s"] = time.perf_counter() - t0
 
 

@@ -62,11 +62,11 @@ from belayer_env.restore.staged import (
     short_error,
     unpoint,
 )
-from belayer_env.sandbox import fence, writeback
+from belayer_env.sandbox import fence, removal, writeback
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import translate_errors
-from belayer_env.sandbox.fence import remove, remove_quietly
+from belayer_env.sandbox.removal import remove, remove_quietly
 from belayer_env.store import layer, shared_layer
 from belayer_env.store.manifest import Checkpoint
 
@@ -289,7 +289,7 @@ class _Restoring:
             writeback.flush_later(*([self.layer_fs] if self.layer_fs is not None else []), p.tmp)
         else:
             discard_now(spent, parts, nonces)
-        fence.remove_in_background(p.client, self.fenced)  # after the restore: no disk contention with it
+        removal.remove_in_background(p.client, self.fenced)  # after the restore: no disk contention with it
 
 
 def _wait_running(client: docker.DockerClient, cid: str, ck: Checkpoint, *, loopback_hook: bool) -> None:

@@ -18,10 +18,11 @@ import docker
 
 from belayer_core.errors import BelayerError, UsageError
 from belayer_env.sandbox.config import SandboxConfig
-from belayer_env.sandbox.container import DockerSandbox, create_container
+from belayer_env.sandbox.container import DockerSandbox
+from belayer_env.sandbox.create import create_container
 from belayer_env.sandbox.docker_api import translate_errors
-from belayer_env.sandbox.fence import remove_quietly
 from belayer_env.sandbox.ownership import SANDBOX_NAME
+from belayer_env.sandbox.removal import remove_quietly
 
 MAX_POOL = 64
 

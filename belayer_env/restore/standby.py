@@ -16,7 +16,7 @@ Rollback is then ``promote``, on its critical path only the kernel and one listi
 - *thaw*: write THAWED to the standby's freezer cgroup;
 - *verify*: the cgroup thawed and the init Docker reported running alive in it.
 
-Docker's names follow on a thread (``fence.settle_later``): the dead containers renamed
+Docker's names follow on a thread (``naming.settle_later``): the dead containers renamed
 aside, the standby renamed to the sandbox's name; every later fence or restore of that
 name waits for them, and a standby that cannot take the name is fenced (its next command
 then fails as a lost sandbox: never an observation). The frozen container is one Docker
@@ -42,7 +42,7 @@ from belayer_core.errors import InfraError, RestoreFailed, SandboxLost
 from belayer_env.common.phases import Phase, PhaseHook, no_hook
 from belayer_env.restore.promotion import Frozen, promote_docker, promote_kernel
 from belayer_env.restore.restore import full_restore
-from belayer_env.sandbox import fence, freezer
+from belayer_env.sandbox import fence, freezer, naming
 from belayer_env.sandbox.config import SandboxConfig
 from belayer_env.sandbox.container import DockerSandbox
 from belayer_env.sandbox.docker_api import translate_errors
@@ -88,7 +88,7 @@ class Standby:
         self._frozen: Frozen | None = None
         self.error: BaseException | None = None
         self.prepare_s: float | None = None
-        fence.start_worker()  # the promotion's renames queue to it, no thread started on a rollback
+        naming.start_worker()  # the promotion's renames queue to it, no thread started on a rollback
         self.last_promote: dict[str, float] = {}
         """The newest promotion's phases in seconds: ``fence_s``, ``thaw_s``, ``verify_s``
         (the critical path) and, once set on its thread, ``names_s`` (Docker's renames)."""

@@ -6,15 +6,14 @@ a command timeout kills the command (not the container) and is *returned* as an 
 outcome; output of any size is capped with an explicit marker without changing the
 command's exit code; and infrastructure failures (container gone, daemon unreachable, exec
 transport broken, runtime unable to run the command) *raise* ``InfraError`` subclasses and
-are never returned as output text. The container itself is created with a disk cap and a
-reduced capability set (``create_container``; docs/env.md, "Sandbox limits").
+are never returned as output text. The container itself is created by ``create.py`` (a disk
+cap, a reduced capability set: docs/env.md, "Sandbox limits"); whether it is alive is
+``liveness.py``'s answer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
 import uuid
 from typing import Any
@@ -22,9 +21,7 @@ from typing import Any
 import docker
 
 from belayer_core.errors import ConfigError, InvalidAction, SandboxLost, UsageError
-from belayer_core.procfs import read_stat
-from belayer_env.host import loopback
-from belayer_env.sandbox import fence, limits
+from belayer_env.sandbox import limits, liveness, removal
 from belayer_env.sandbox.command import (
     CHUNK_BYTES,
     EXEC_WRAPPER,
@@ -33,83 +30,16 @@ from belayer_env.sandbox.command import (
     WRAPPER_PIDS,
     StreamReader,
 )
-from belayer_env.sandbox.config import INIT_COMMAND, OUTPUT_TMPFS, SandboxConfig
-from belayer_env.sandbox.disk import limit_layer
+from belayer_env.sandbox.config import SandboxConfig
+from belayer_env.sandbox.create import create_container
 from belayer_env.sandbox.docker_api import connect, translate_errors
 from belayer_env.sandbox.output import OutputCollector
-from belayer_env.sandbox.ownership import owner_labels
 
 KILL_GRACE_S = 2  # SIGTERM, then SIGKILL this much later, for a timed-out command
 
 TRAILING_OUTPUT_S = 0.5  # after the command exits, wait this long for output still in flight
 TRANSPORT_GRACE_S = 15.0  # past timeout + grace with no end of stream: the transport is broken
 POLL_S = 0.2
-PROBE = ["bash", "-c", "exit 0"]  # a builtin: the probe forks nothing inside the sandbox
-
-
-def create_container(client: docker.DockerClient, config: SandboxConfig, name: str,
-                     labels: dict[str, str] | None = None, network_disabled: bool | None = None) -> Any:
-    """Create (not start) a container for ``config``: the one recipe shared with restore.
-
-    Capabilities are cut to ``config.capabilities`` and, with ``config.disk``, the writable
-    layer is put on a file system of that size (``belayer_env.sandbox.disk``) before anything runs.
-    ``network_disabled``: without Docker's network stack (``belayer_env.host.loopback``); None:
-    whenever the sandbox has no network and this host has the loopback hook (a restore
-    passes what its checkpoint's container had).
-    """
-    all_labels = {**config.labels, **owner_labels(name), **(labels or {})}
-    if network_disabled is None:
-        network_disabled = not config.network and loopback.installed()
-    elif network_disabled and config.network:
-        raise UsageError("a sandbox with network=True cannot be created with Docker's network stack disabled")
-    elif network_disabled and not loopback.installed():
-        raise UsageError(f"this container must be created without Docker's network stack, but the CRIU "
-                         f"loopback hook is not installed here ({loopback.HOOK_PATH} listed in "
-                         f"{loopback.RUNC_CRIU_CONF}): run `bash scripts/setup.sh`")
-    with translate_errors(f"create sandbox {name}"):
-        try:
-            client.images.get(config.image)
-        except docker.errors.ImageNotFound as e:
-            raise UsageError(
-                f"image {config.image!r} not found; build the base image with `bash scripts/setup.sh`"
-            ) from e
-        try:
-            container = client.containers.create(
-                config.image,
-                command=INIT_COMMAND,
-                name=name,
-                working_dir=config.cwd if config.cwd != "/" else None,
-                environment=config.env,
-                labels=all_labels,
-                network_mode=None if config.network else "none",
-                network_disabled=network_disabled,
-                mounts=[docker.types.Mount("/etc/hosts", str(loopback.HOSTS_PATH), type="bind",
-                                           read_only=True)] if network_disabled else None,
-                mem_limit=config.memory_bytes,  # bytes: docker-py parses no "t", "MiB" or "1.5g"
-                memswap_limit=config.memory_bytes,
-                pids_limit=config.pids_limit,
-                nano_cpus=int(config.cpus * 1e9),
-                privileged=False,
-                security_opt=["no-new-privileges"],
-                cap_drop=["ALL"],
-                cap_add=list(config.capabilities),
-                tmpfs=OUTPUT_TMPFS,
-                tty=False,
-                stdin_open=False,
-                detach=True,
-            )
-        except docker.errors.APIError as e:
-            if e.status_code == 400:  # the daemon refused a setting (e.g. more CPUs than the host has)
-                raise ConfigError(f"Docker refused the sandbox config: {e.explanation or e}") from e
-            raise
-    if config.disk_bytes is not None:
-        try:
-            limit_layer(container.attrs, config.disk_bytes)  # docker-py inspected it after the create
-        except BaseException:
-            with contextlib.suppress(Exception):
-                client.api.remove_container(container.id, force=True, v=True)
-            raise
-    return container
 
 
 class DockerSandbox:
@@ -264,7 +194,7 @@ class DockerSandbox:
         reader.close()
         if reader.error is not None and not reader.done.is_set():
             raise SandboxLost(f"exec stream failed: {reader.error}")
-        settle = time.monotonic() + 2.0  # the exit code can lag the end of the stream a little
+        settle = time.monotonic() + liveness.SETTLE_S  # the exit code can lag the end of the stream
         while True:
             info = api.exec_inspect(exec_id)
             if not info.get("Running"):
@@ -276,22 +206,9 @@ class DockerSandbox:
     # ------------------------------------------------------------------ health
 
     def check_alive(self, what: str) -> None:
-        """Raise ``SandboxLost`` unless the container and its init process are alive.
-
-        Docker updates a container's state a little after its init dies, so a command
-        killed with the container can end first; the init's /proc entry is the ground truth.
-        """
-        with translate_errors(what):
-            state = self.client.api.inspect_container(self.container_id)["State"]
-        if state.get("Running") and _process_alive(state.get("Pid", 0)):
-            return
-        if state.get("OOMKilled"):
-            reason = "was killed by the OOM killer"
-        elif state.get("Running"):
-            reason = "lost its init process"
-        else:
-            reason = f"exited ({state.get('Status')}, code {state.get('ExitCode')})"
-        raise SandboxLost(f"{what}: container {self.container_id[:12]} {reason}")
+        """Raise ``SandboxLost`` unless the container and its init process are alive
+        (``liveness.check_alive``: the init's /proc entry is the ground truth)."""
+        liveness.check_alive(self.client, self.container_id, what)
 
     def is_alive(self) -> bool:
         try:
@@ -301,28 +218,9 @@ class DockerSandbox:
         return True
 
     def confirm_alive(self, what: str) -> None:
-        """``check_alive`` plus one exec: Docker reports a container running until its init has
-        finished exiting, and an exec fails once it is exiting. The exec needs no fork (``bash
-        -c 'exit 0'``), and one that cannot start because the sandbox's own processes hold every
-        slot of its pids limit (or is killed at its memory limit) while the init lives is no
-        evidence of death: a command that hit a limit is the agent's outcome."""
-        self.check_alive(what)
-        before = limits.hits(self.container_id)
-        api = self.client.api
-        with translate_errors(what):
-            exec_id = api.exec_create(self.container_id, PROBE, stdout=True, stderr=True)["Id"]
-            api.exec_start(exec_id)
-            settle = time.monotonic() + 2.0  # the exit code can lag the end of the stream a little
-            while (info := api.exec_inspect(exec_id)).get("Running") and time.monotonic() < settle:
-                time.sleep(0.02)
-        code = None if info.get("Running") else info.get("ExitCode")
-        if code == 0:
-            return
-        self.check_alive(what)
-        after = limits.hits(self.container_id)
-        if code is not None and (after.pids > before.pids or after.oom > before.oom):
-            return  # it could not start, or was killed, at a limit of the sandbox's own
-        raise SandboxLost(f"{what}: container {self.container_id[:12]} failed a liveness probe (exit {code})")
+        """``check_alive`` plus one exec that forks nothing (``liveness.confirm_alive``): one that
+        cannot start at a limit of the sandbox's own is the agent's outcome, not a death."""
+        liveness.confirm_alive(self.client, self.container_id, what)
 
     def _require_open(self) -> None:
         if self._closed:
@@ -338,7 +236,7 @@ class DockerSandbox:
         self._remove_quietly()
 
     def _remove_quietly(self) -> None:
-        fence.remove(self.client, self.container_id)  # and what containerd kept of it, if anything
+        removal.remove(self.client, self.container_id)  # and what containerd kept of it, if anything
 
     def __enter__(self) -> DockerSandbox:
         return self
@@ -352,16 +250,6 @@ class DockerSandbox:
     # what mini-swe-agent-style code calls
     def get_template_vars(self) -> dict[str, Any]:
         return self.config.model_dump()
-
-
-def _process_alive(pid: int) -> bool:
-    """True unless ``pid`` (a host pid) is gone, exiting or a zombie; unknowable (remote daemon) = True."""
-    if not pid:
-        return False
-    if not os.path.isdir("/proc/1"):
-        return True
-    stat = read_stat(pid)
-    return stat is not None and stat.running
 
 
 def _pids_room(container_id: str) -> tuple[str, str]:

@@ -10,14 +10,15 @@ unpause, bounded by ``UNPAUSE_TIMEOUT_S``, then the freezer cgroup directly when
 does not answer (an exec that raced the pause wedges Docker's view of the container) or
 when its view is stale (cgroup frozen, Docker says running). So a paused container never
 outlives the fence.
+
+The dead containers' removal is ``removal.py``'s (on a thread by default); Docker's names
+of a sandbox set later, off a rollback's critical path, are ``naming.py``'s.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import queue
-import threading
 import time
 import uuid
 from typing import Any
@@ -26,10 +27,10 @@ import docker
 import requests
 
 from belayer_core.errors import SandboxLost
-from belayer_env.common.background import ThreadSet
-from belayer_env.sandbox import ctrd_leftovers, freezer
+from belayer_env.sandbox import freezer, naming
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.ownership import SANDBOX_NAME
+from belayer_env.sandbox.removal import remove, remove_in_background, wait_gone
 
 UNPAUSE_TIMEOUT_S = 5.0
 STOPPED_TIMEOUT_S = 30.0
@@ -49,10 +50,10 @@ def sandbox_containers(client: docker.DockerClient, sandbox_name: str, *,
 
     By label; ``by_name`` also finds a container that merely holds the name (not one of
     ours, but in the way of reusing it). Listing never blocks on a wedged container.
-    Docker's names of the sandbox still being set on a thread (``settle_later``: a promoted
-    standby's renames) are set first.
+    Docker's names of the sandbox still being set on a thread (``naming.settle_later``: a
+    promoted standby's renames) are set first.
     """
-    _settled(sandbox_name)
+    naming.settled(sandbox_name)
     with translate_errors(f"list containers of sandbox {sandbox_name}"):
         # the two listings side by side: a rollback lists up to three times on its critical path
         named = (_listers.submit(client.api.containers, all=True, filters={"name": f"^/{sandbox_name}$"})
@@ -62,7 +63,7 @@ def sandbox_containers(client: docker.DockerClient, sandbox_name: str, *,
         if named is not None:
             for c in named.result():
                 found.setdefault(c["Id"], c)
-        for cid in aliases(sandbox_name) - set(found):
+        for cid in naming.aliases(sandbox_name) - set(found):
             for c in client.api.containers(all=True, filters={"id": cid}):
                 found.setdefault(c["Id"], c)
     return [found[k] for k in sorted(found)]
@@ -87,7 +88,7 @@ def fence(client: docker.DockerClient, sandbox_name: str, *, background: bool = 
     for c in found:
         remove(client, c["Id"])
     for c in found:
-        _wait_gone(client, c["Id"], sandbox_name)
+        wait_gone(client, c["Id"], sandbox_name)
     return [c["Id"] for c in found]
 
 
@@ -142,102 +143,6 @@ def wait_not_running(client: docker.DockerClient, container_ids: list[str], sand
                 continue
 
 
-_removing = ThreadSet("belayer-fence-remove")
-
-
-def remove_in_background(client: docker.DockerClient, container_ids: list[str]) -> None:
-    """Remove fenced containers on threads: deleting a big writable layer takes seconds,
-    and nothing waits for it (they are dead and renamed aside already)."""
-    for cid in container_ids:
-        _removing.start(remove_quietly, client, cid)
-
-
-def wait_removed(timeout_s: float = 120.0) -> bool:
-    """Wait for this process's background renames (``settle_later``) and removals
-    (``env.close``, benchmarks between timed calls); True when none is left. A dying
-    process's: ``belayer gc``."""
-    with _pending_lock:
-        names = list(_pending)
-    for name in names:
-        _settled(name)
-    return _removing.wait(timeout_s)
-
-
-_pending: dict[str, threading.Event] = {}
-_pending_lock = threading.Lock()
-_aliases: dict[str, set[str]] = {}
-
-
-def add_alias(sandbox_name: str, container_id: str) -> None:
-    """Count ``container_id`` as a container of ``sandbox_name`` in this process's listings
-    before Docker names it so (a standby being promoted: its rename follows on a thread)."""
-    with _pending_lock:
-        _aliases.setdefault(sandbox_name, set()).add(container_id)
-
-
-def drop_alias(sandbox_name: str, container_id: str) -> None:
-    with _pending_lock:
-        ids = _aliases.get(sandbox_name, set())
-        ids.discard(container_id)
-        if not ids:
-            _aliases.pop(sandbox_name, None)
-
-
-def aliases(sandbox_name: str) -> set[str]:
-    with _pending_lock:
-        return set(_aliases.get(sandbox_name, ()))
-
-
-def settle_later(sandbox_name: str, fn: Any, *args: Any) -> threading.Event:
-    """Run ``fn(*args)``, Docker's bookkeeping of sandbox ``sandbox_name`` (renames), on this
-    module's worker thread, off a rollback's critical path (queued, not started: a thread
-    start would wait for the CPU on a busy host). Every later listing of that sandbox in
-    this process (``sandbox_containers``: a fence, a restore, ``env.close``) waits for it
-    first, so none acts on names it has not set yet. ``fn`` must not list that sandbox
-    itself. Returns the job's end (set once it ran, whatever its outcome)."""
-    done = threading.Event()
-    with _pending_lock:
-        _pending[sandbox_name] = done
-    _jobs.put((fn, args, done))
-    start_worker()
-    return done
-
-
-_jobs: queue.SimpleQueue = queue.SimpleQueue()
-_worker: threading.Thread | None = None
-
-
-def start_worker() -> None:
-    """Start the worker once per process (a ``Standby`` does at its creation, not on a rollback)."""
-    global _worker
-    with _pending_lock:
-        if _worker is None or not _worker.is_alive():
-            _worker = threading.Thread(target=_work, daemon=True, name="belayer-fence-names")
-            _worker.start()
-
-
-def _work() -> None:
-    while True:
-        fn, args, done = _jobs.get()
-        try:
-            fn(*args)
-        except BaseException:  # noqa: BLE001, S110 - the job cleans up after itself
-            pass
-        finally:
-            done.set()
-
-
-def _settled(sandbox_name: str) -> None:
-    with _pending_lock:
-        done = _pending.get(sandbox_name)
-    if done is None:
-        return
-    done.wait()  # FIFO: every earlier job of that name has run too
-    with _pending_lock:
-        if _pending.get(sandbox_name) is done:
-            del _pending[sandbox_name]
-
-
 def kill_kernel(client: docker.DockerClient, sandbox_name: str, found: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """The kill of ``kill_listed`` through the kernel alone, for a rollback's critical path
     where the daemon is known to be local (a container of it has its cgroup here): no
@@ -277,35 +182,6 @@ def thaw(client: docker.DockerClient, container_id: str, *, paused: bool) -> Non
             api._raise_for_status(res)
     if freezer.is_frozen(container_id) and not freezer.thaw(container_id):
         raise SandboxLost(f"container {container_id[:12]} stays frozen: its freezer cgroup cannot be thawed")
-
-
-def remove(client: docker.DockerClient, container_id: str) -> None:
-    """Force-remove (kill first) a container; one already gone or being removed is fine.
-    What containerd still holds of it once Docker has forgotten it (a task Docker took for
-    exited, with its shim: ``ctrd_leftovers``) is removed too."""
-    with contextlib.suppress(docker.errors.NotFound):
-        try:
-            client.api.remove_container(container_id, force=True, v=True)
-        except docker.errors.APIError as e:
-            if "removal of container" not in str(e) and "already in progress" not in str(e):
-                raise
-            return  # another removal runs: whoever runs it checks containerd
-    ctrd_leftovers.after_removal(client, container_id)
-
-
-def remove_quietly(client: docker.DockerClient, container_id: str) -> None:
-    with contextlib.suppress(Exception):
-        remove(client, container_id)
-
-
-def _wait_gone(client: docker.DockerClient, cid: str, sandbox_name: str) -> None:
-    """Bounded wait for a removal Docker reported as already in progress."""
-    deadline = time.monotonic() + STOPPED_TIMEOUT_S
-    with translate_errors(f"fence sandbox {sandbox_name}"):
-        while client.api.containers(all=True, filters={"id": cid}):
-            if time.monotonic() > deadline:
-                raise SandboxLost(f"could not fence container {cid[:12]} of sandbox {sandbox_name}: not removed")
-            time.sleep(0.02)
 
 
 def _kill_and_rename(client: docker.DockerClient, cid: str, sandbox_name: str, docker_view: bool = True) -> bool:

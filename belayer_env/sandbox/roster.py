@@ -6,7 +6,7 @@ cgroups that exist (first), then Docker's listing of the sandbox (``fence.sandbo
 ``Roster.current`` (on the critical path): that listing, plus every container started
 since whose own record on Docker's disk (``containers/<id>/config.v2.json``: its name and
 labels, written by Docker before a container starts and on every rename) says it is the
-sandbox's, plus this process's aliases of it (``fence.add_alias``). None when that cannot be
+sandbox's, plus this process's aliases of it (``naming.add_alias``). None when that cannot be
 told (no such cgroup directory, a record unreadable): the caller lists through Docker.
 
 Why it is complete: every running container has a cgroup of its own, made when it starts.
@@ -30,7 +30,7 @@ from typing import Any
 
 import docker
 
-from belayer_env.sandbox import fence
+from belayer_env.sandbox import fence, naming
 from belayer_env.sandbox.docker_api import translate_errors
 from belayer_env.sandbox.ownership import SANDBOX_NAME
 
@@ -75,7 +75,7 @@ class Roster:
         if now is None:
             return None
         found = {c["Id"]: c for c in self.listed if c["Id"] != skip}
-        for cid in (now - self.started) | fence.aliases(name):
+        for cid in (now - self.started) | naming.aliases(name):
             if cid == skip or cid in found:
                 continue
             record = self._record(cid)

@@ -30,7 +30,7 @@ FORK = "belayer-fork"
 PRESTAGE = "belayer-prestage"
 """Mount source of a prestage's unpacked layer (``prestaging``)."""
 RESTORE = "belayer-restore"
-"""Mount source of a restore's unpacked layer (``restore._unpack_layer``)."""
+"""Mount source of a restore's unpacked layer (``staged.unpack_layer``)."""
 
 
 def memory_cap(tar_bytes: int) -> int | None:

@@ -20,8 +20,9 @@ publishes it there: ``full_restore`` then restores it as any local checkpoint.
 
 Trust: whoever can write the location can write a replica, so every marker carries an HMAC
 under the cluster's key (``replica_auth``): a marker without one, or with a wrong one, is
-refused, never fetched. Names in markers and manifests are checked (``names``): a fetch
-writes only the layer and ``runtime/<plain name>`` under its own staging directory.
+refused, never fetched (``replica_marker``). Names in markers and manifests are checked
+(``names``): a fetch (``replica_fetch``) writes only the layer and ``runtime/<plain name>``
+under its own staging directory.
 """
 
 from __future__ import annotations
@@ -30,42 +31,20 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from belayer_core.errors import CheckpointFailed, CheckpointNotFound, UsageError
-from belayer_env.store.manifest import (
-    MANIFEST,
-    Checkpoint,
-    check_file,
-    copy_hashed,
-    read_manifest_digest,
-)
-from belayer_env.store.names import check_entry, check_plain, sandbox_of
-from belayer_env.store.replica_auth import MAC_FIELD, ReplicaKey
-from belayer_env.store.store import CheckpointStore, fsync_dir
-
-MARKER_SUFFIX = ".ready.json"
-EPISODE = "episode.json"
-FORMAT = 1
-
-
-@dataclass(frozen=True)
-class Replica:
-    """A committed replica: what its marker says."""
-
-    id: str
-    sandbox: str
-    step: int
-    created: float
-    manifest_sha256: str
-    episode_sha256: str | None
+from belayer_env.store.manifest import Checkpoint, read_manifest_digest
+from belayer_env.store.names import check_plain, sandbox_of
+from belayer_env.store.replica_auth import ReplicaKey
+from belayer_env.store.replica_fetch import download
+from belayer_env.store.replica_marker import EPISODE, MARKER_SUFFIX, Replica, believed, marker_path
+from belayer_env.store.replica_upload import Writer
+from belayer_env.store.store import CheckpointStore
 
 
 class ReplicaLocation:
@@ -89,66 +68,25 @@ class ReplicaLocation:
         self.fs.makedirs(self.root, exist_ok=True)
         if self.local:
             os.chmod(self.root, 0o700)
+        self._writer = Writer(self.fs, self.root, self.key, local=self.local)
 
     # ------------------------------------------------------------------ writing
 
     def upload(self, directory: Path, episode: dict[str, Any] | None = None) -> Replica:
-        """Copy a fully written checkpoint directory, then commit it with its marker.
+        """Copy a fully written checkpoint directory, then commit it with its marker
+        (``replica_upload``).
 
         Every byte read is checked against the manifest on the way (a local copy that went
         bad is not replicated). ``CheckpointFailed`` when anything fails: nothing committed.
         """
         data, manifest_sha = read_manifest_digest(directory)
-        ck_id, sandbox = data["id"], data["sandbox"]
-        _check_name(sandbox)
-        base = f"{self.root}/{sandbox}/{ck_id}"
+        _check_name(data["sandbox"])
         try:
-            self.fs.makedirs(base, exist_ok=True)
-            for rel, meta in sorted(data["files"].items()):
-                self.fs.makedirs(_parent(f"{base}/{rel}"), exist_ok=True)
-                with open(directory / rel, "rb") as src, self.fs.open(f"{base}/{rel}", "wb") as dst:
-                    size, digest = copy_hashed(src, dst)
-                    self._durable(dst)
-                check_file(rel, meta, size, digest)
-            self._put(f"{base}/{MANIFEST}", (directory / MANIFEST).read_bytes())
-            episode_sha = None
-            if episode is not None:
-                raw = json.dumps(episode, sort_keys=True).encode()
-                episode_sha = hashlib.sha256(raw).hexdigest()
-                self._put(f"{base}/{EPISODE}", raw)
-            if self.local:
-                for d in {_parent(f"{base}/{rel}") for rel in data["files"]} | {base}:
-                    fsync_dir(Path(d))
-            marker = Replica(ck_id, sandbox, int(data["step"]), time.time(), manifest_sha, episode_sha)
-            self._commit(marker)
+            return self._writer.upload(directory, data, manifest_sha, episode)
         except CheckpointFailed:
             raise
         except Exception as e:  # noqa: BLE001 - storage errors of any fsspec backend
-            raise CheckpointFailed(f"replicating checkpoint {ck_id} to {self.url} failed: {_short(e)}") from e
-        return marker
-
-    def _commit(self, marker: Replica) -> None:
-        final = self._marker_path(marker.sandbox, marker.id)
-        tmp = f"{self.root}/{marker.sandbox}/.tmp-{marker.id}-{uuid.uuid4().hex[:8]}"
-        fields = {"format": FORMAT, **marker.__dict__}
-        fields[MAC_FIELD] = self.key.sign(fields)
-        self._put(tmp, json.dumps(fields, sort_keys=True).encode())
-        self.fs.mv(tmp, final)  # local: rename(2); object stores: one server-side copy
-        if self.local:
-            fsync_dir(Path(_parent(final)))
-
-    def _put(self, path: str, raw: bytes) -> None:
-        with self.fs.open(path, "wb") as f:
-            f.write(raw)
-            self._durable(f)
-
-    def _durable(self, f: Any) -> None:
-        """fsync a file written through fsspec's local file system (object stores: on close)."""
-        if self.local:
-            f.flush()
-            inner = getattr(f, "f", f)
-            with contextlib.suppress(AttributeError, OSError, ValueError):
-                os.fsync(inner.fileno())
+            raise CheckpointFailed(f"replicating checkpoint {data['id']} to {self.url} failed: {_short(e)}") from e
 
     # ------------------------------------------------------------------ reading
 
@@ -167,7 +105,7 @@ class ReplicaLocation:
     def get(self, checkpoint_id: str) -> Replica:
         sandbox = _sandbox_of(checkpoint_id)
         try:
-            return self._read_marker(self._marker_path(sandbox, checkpoint_id))
+            return self._read_marker(marker_path(self.root, sandbox, checkpoint_id))
         except FileNotFoundError as e:
             raise CheckpointNotFound(f"no committed replica {checkpoint_id!r} at {self.url}") from e
         except (ValueError, KeyError, TypeError) as e:
@@ -188,34 +126,7 @@ class ReplicaLocation:
         rep = self.get(checkpoint_id)
         with contextlib.suppress(CheckpointNotFound):
             return store.get(rep.id)  # already here (the same node)
-        base = f"{self.root}/{rep.sandbox}/{rep.id}"
-        staging = store.new_staging(rep.id)
-        try:
-            raw = self.fs.cat_file(f"{base}/{MANIFEST}")
-            if hashlib.sha256(raw).hexdigest() != rep.manifest_sha256:
-                raise CheckpointNotFound(f"replica {rep.id}: manifest does not match its commit marker")
-            (staging / MANIFEST).write_bytes(raw)
-            try:
-                data, _ = read_manifest_digest(staging)  # every name checked (``names``)
-            except ValueError as e:
-                raise CheckpointNotFound(f"replica {rep.id} refused: {e}") from e
-            if (data["id"], data["sandbox"]) != (rep.id, rep.sandbox):
-                raise CheckpointNotFound(f"replica {rep.id} refused: its manifest is of {data['id']!r}")
-            for rel, meta in sorted(data["files"].items()):
-                dest = _new_file(staging, check_entry(rel))
-                with self.fs.open(f"{base}/{rel}", "rb") as src, open(dest, "wb") as dst:
-                    size, digest = copy_hashed(src, dst)
-                    dst.flush()
-                    os.fsync(dst.fileno())
-                try:
-                    check_file(rel, meta, size, digest)
-                except ValueError as e:
-                    raise CheckpointNotFound(f"replica {rep.id} is corrupt: {e}") from e
-            # the base publish: a replicated store must not upload what came from the replica
-            return CheckpointStore.publish(store, staging, rep.sandbox, rep.id)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        return download(self.fs, f"{self.root}/{rep.sandbox}/{rep.id}", rep, store)
 
     # ------------------------------------------------------------------ removing
 
@@ -223,7 +134,7 @@ class ReplicaLocation:
         """Uncommit (the marker goes first: readers stop seeing it at once), then delete the data."""
         sandbox = _sandbox_of(checkpoint_id)
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._marker_path(sandbox, checkpoint_id))
+            self.fs.rm_file(marker_path(self.root, sandbox, checkpoint_id))
         data = f"{self.root}/{sandbox}/{checkpoint_id}"
         if background:
             threading.Thread(target=self._rm_quietly, args=(data,), daemon=True,
@@ -270,29 +181,8 @@ class ReplicaLocation:
         except FileNotFoundError:
             return []
 
-    def _marker_path(self, sandbox: str, checkpoint_id: str) -> str:
-        return f"{self.root}/{sandbox}/{checkpoint_id}{MARKER_SUFFIX}"
-
     def _read_marker(self, path: str) -> Replica:
-        """A marker this cluster signed, naming plain names, at the place its id and sandbox
-        give (``<sandbox>/<id>.ready.json``); ``ValueError`` otherwise."""
-        data = json.loads(self.fs.cat_file(path))
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a belayer replica marker (format {FORMAT})")
-        mac = data.pop(MAC_FIELD, None)
-        if not self.key.verify(data, mac):
-            raise ValueError(f"{path} is not signed with this cluster's replica key "
-                             f"({'no signature' if mac is None else 'wrong signature'}): refused")
-        data.pop("format")
-        rep = Replica(**data)
-        if sandbox_of(rep.id) != check_plain("sandbox name", rep.sandbox):
-            raise ValueError(f"{path}: checkpoint {rep.id!r} is not of sandbox {rep.sandbox!r}")
-        # the signature covers id and sandbox, and they must name this very file: a marker
-        # copied to another name (no key needed) answers for nothing
-        if path.rsplit("/", 2)[-2:] != [rep.sandbox, f"{rep.id}{MARKER_SUFFIX}"]:
-            raise ValueError(f"{path} is the marker of {rep.id!r} of sandbox {rep.sandbox!r}, copied to another "
-                             "name: refused")
-        return rep
+        return believed(self.fs.cat_file(path), path, self.key)
 
     def __repr__(self) -> str:
         return f"ReplicaLocation({self.url!r})"
@@ -345,10 +235,6 @@ def _protocols(fs: Any) -> set[str]:
     return {p} if isinstance(p, str) else set(p)
 
 
-def _parent(path: str) -> str:
-    return path.rsplit("/", 1)[0]
-
-
 def _sandbox_of(checkpoint_id: str) -> str:
     try:
         return sandbox_of(checkpoint_id)
@@ -361,17 +247,6 @@ def _check_name(name: str) -> None:
         check_plain("sandbox name", name)
     except ValueError as e:
         raise UsageError(str(e)) from e
-
-
-def _new_file(staging: Path, rel: str) -> Path:
-    """``staging/rel`` created empty, never through a link (``rel``: a checked entry name)."""
-    head, _, name = rel.rpartition("/")
-    directory = staging / head if head else staging
-    directory.mkdir(mode=0o700, exist_ok=True)
-    if directory.is_symlink():
-        raise CheckpointNotFound(f"{directory} is a symlink")
-    os.close(os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-    return directory / name
 
 
 def _mtime(fs: Any, path: str) -> float:

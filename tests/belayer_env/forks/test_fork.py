@@ -32,7 +32,7 @@ from belayer_env.restore.cleanup import wait_cleaned
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox.fence import fence, sandbox_containers
 from belayer_env.sandbox.treehash import tree_hash
-from belayer_env.store import in_memory, shared_layer
+from belayer_env.store import in_memory, shared_layer, shared_lease
 from belayer_env.store.manifest import read_manifest_digest
 from belayer_env.store.store import owner_tag
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
@@ -210,7 +210,7 @@ def test_gc_removes_shared_layers_no_container_uses(make_sandbox, ck_store, dock
             fence(docker_client, f.name, background=False)
     # no container uses it now; a fork being made from it (its lease) still keeps it
     data, digest = read_manifest_digest(Path(ck.path))
-    with shared_layer.lease(docker_client, ck, prestaging.docker_root(docker_client), data, digest) as held:
+    with shared_lease.lease(docker_client, ck, prestaging.docker_root(docker_client), data, digest) as held:
         assert held is not None and held.name == name
         assert name not in sweep_shared_layers(docker_client) and root.is_dir()
     assert cli_main(["gc", "--dry-run", "--json"]) == 0  # lists it, removes nothing

@@ -27,7 +27,7 @@ from belayer_env.restore import prestaging
 from belayer_env.restore.restore import full_restore
 from belayer_env.sandbox.fence import fence, sandbox_containers
 from belayer_env.sandbox.treehash import tree_hash
-from belayer_env.store import shared_layer
+from belayer_env.store import shared_layer, shared_lease
 from belayer_env.store.manifest import read_manifest_digest
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.conftest import wait_until
@@ -228,8 +228,8 @@ def test_a_pool_verifies_the_newest_checkpoint_ahead_and_its_forks_only_start(ma
               if shared_layer.SharedLower(p).ready()}
     assert any(digest[:12] in name for name in copies)  # unpacked and verified before any fork
     made: list[str] = []
-    real_make, real_images = shared_layer._make, forking.verified_images
-    monkeypatch.setattr(shared_layer, "_make", lambda *a, **k: made.append("layer") or real_make(*a, **k))
+    real_make, real_images = shared_lease.make_copy, forking.verified_images
+    monkeypatch.setattr(shared_lease, "make_copy", lambda *a, **k: made.append("layer") or real_make(*a, **k))
     monkeypatch.setattr(forking, "verified_images", lambda *a, **k: made.append("images") or real_images(*a, **k))
     forks = fork(ck2, 2, client=docker_client, pool=pool)
     others = []

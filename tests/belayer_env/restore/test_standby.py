@@ -18,7 +18,8 @@ from belayer_env.faults.inject import FaultInjector, InjectedFault, kill_contain
 from belayer_env.ops.gc import list_managed
 from belayer_env.restore.standby import Standby
 from belayer_env.sandbox import freezer
-from belayer_env.sandbox.fence import sandbox_containers, wait_removed
+from belayer_env.sandbox.fence import sandbox_containers
+from belayer_env.sandbox.removal import wait_removed
 from belayer_env.sandbox.treehash import tree_hash
 from tests.belayer_env.conftest_checkpoint import http_get, log_state, start_counter, start_server
 from tests.belayer_env.conftest_env import assert_no_infra_text

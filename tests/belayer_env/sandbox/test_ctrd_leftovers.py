@@ -1,5 +1,5 @@
 """What containerd keeps of sandbox containers Docker has forgotten: ``belayer gc`` removes it,
-and so does the removal of a restored container Docker lost (``fence.remove``).
+and so does the removal of a restored container Docker lost (``removal.remove``).
 
 The leftovers are made the way the incident made them, on the real Docker, containerd and
 shim: containerd is told (``containerd publish``, the way a shim reports an exit) that a
@@ -34,9 +34,10 @@ from belayer_env import DockerSandbox
 from belayer_env.capture.checkpoint import full_checkpoint
 from belayer_env.ops.gc import containerd_leftovers
 from belayer_env.restore.restore import full_restore
-from belayer_env.sandbox import ctrd_leftovers
-from belayer_env.sandbox.ctrd_leftovers import Daemon, Leftover, locate
-from belayer_env.sandbox.fence import wait_removed
+from belayer_env.sandbox import containerd, ctrd_leftovers
+from belayer_env.sandbox.containerd import Daemon, locate
+from belayer_env.sandbox.ctrd_leftovers import Leftover
+from belayer_env.sandbox.removal import wait_removed
 from tests.conftest import wait_until
 
 FOREIGN_LABEL = "belayer-test.ctrd-foreign"
@@ -44,7 +45,7 @@ FOREIGN_LABEL = "belayer-test.ctrd-foreign"
 
 @pytest.fixture
 def ctrd(docker_client) -> Daemon:
-    for tool in (ctrd_leftovers.CTR, "containerd"):
+    for tool in (containerd.CTR, "containerd"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} not found: Debian's containerd package (a dependency of docker.io, "
                         "`bash scripts/setup.sh`) ships it")
@@ -93,11 +94,11 @@ def make_leftover(client: docker.DockerClient, daemon: Daemon, container_id: str
 
 
 def tasks(daemon: Daemon) -> dict[str, str]:
-    return {cid: status for cid, (status, _) in ctrd_leftovers._tasks(daemon).items()}
+    return {cid: status for cid, (status, _) in containerd.tasks(daemon).items()}
 
 
 def containers(daemon: Daemon) -> set[str]:
-    return set(ctrd_leftovers._ctr(daemon, "containers", "ls", "-q").split())
+    return set(containerd.ctr(daemon, "containers", "ls", "-q").split())
 
 
 def shim_of(container_id: str) -> int:
@@ -147,14 +148,14 @@ def test_gc_removes_sandboxes_containerd_kept_and_leaves_another_container(docke
         for cid in [*ours, foreign]:
             make_leftover(docker_client, ctrd, cid)
         # one killed after Docker forgot it (exit 137): its task STOPPED, its shim alive
-        init = ctrd_leftovers._tasks(ctrd)[stopped.container_id][1]
+        init = containerd.tasks(ctrd)[stopped.container_id][1]
         assert init is not None
         with watching([init]) as fds:
             os.kill(init, signal.SIGKILL)
             assert exited(fds[init])
         wait_until(lambda: tasks(ctrd).get(stopped.container_id) == "STOPPED", 30, "the killed task STOPPED")
         shims = {cid: shim_of(cid) for cid in [*ours, foreign]}
-        inits = {cid: ctrd_leftovers._tasks(ctrd)[cid][1] for cid in (running.container_id, foreign)}
+        inits = {cid: containerd.tasks(ctrd)[cid][1] for cid in (running.container_id, foreign)}
 
         dry = containerd_leftovers(docker_client, dry_run=True)
         assert dry.unavailable is None
@@ -196,7 +197,7 @@ def test_the_fence_of_a_restored_container_docker_lost_removes_it_from_container
         docker_loses(docker_client, ctrd, lost)
         with pytest.raises(SandboxLost):
             restored.execute("true")
-        shim, init = shim_of(lost), ctrd_leftovers._tasks(ctrd)[lost][1]
+        shim, init = shim_of(lost), containerd.tasks(ctrd)[lost][1]
         assert init is not None
         with watching([shim, init]) as fds:
             again = full_restore(ck, client=docker_client)  # the recovery: fences ``lost``, removes it
@@ -216,7 +217,7 @@ def test_closing_a_sandbox_docker_lost_leaves_nothing_in_containerd(docker_clien
     lost = sb.container_id
     try:
         docker_loses(docker_client, ctrd, lost)
-        shim, init = shim_of(lost), ctrd_leftovers._tasks(ctrd)[lost][1]
+        shim, init = shim_of(lost), containerd.tasks(ctrd)[lost][1]
         assert init is not None
         with watching([shim, init]) as fds:
             sb.close()
@@ -228,19 +229,7 @@ def test_closing_a_sandbox_docker_lost_leaves_nothing_in_containerd(docker_clien
 
 
 def test_gc_says_it_cannot_look_without_ctr(docker_client, monkeypatch):
-    monkeypatch.setattr(ctrd_leftovers, "CTR", f"no-such-ctr-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setattr(containerd, "CTR", f"no-such-ctr-{uuid.uuid4().hex[:8]}")
     result = containerd_leftovers(docker_client, dry_run=True)
     assert result.found == [] and "not found" in (result.unavailable or "")
     assert ctrd_leftovers.after_removal(docker_client, uuid.uuid4().hex * 2) == []
-
-
-def test_dockerd_settings_name_its_containerd():
-    sockets, d = ctrd_leftovers._settings(["dockerd"], managed=True)
-    assert sockets == {os.path.realpath("/var/run/docker.sock")}
-    assert d == Daemon("/var/run/docker/containerd/containerd.sock", "moby", "/var/run/docker")
-    _, d = ctrd_leftovers._settings(["dockerd", "-H", "fd://"], managed=False)
-    assert d.address == ctrd_leftovers.SYSTEM_CONTAINERD
-    sockets, d = ctrd_leftovers._settings(
-        ["dockerd", "--containerd=/run/c.sock", "--containerd-namespace", "ns", "--exec-root=/run/d2",
-         "-H", "unix:///run/d2.sock", "--config-file", "/nonexistent.json"], managed=True)
-    assert sockets == {"/run/d2.sock"} and d == Daemon("/run/c.sock", "ns", "/run/d2")
