@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from belayer_engine import RecoverableEngine
+from tests.belayer.wrappers.episodes import read_json_line
 from tests.belayer_engine.conftest import poll
 
 pytestmark = pytest.mark.timeout(900)
@@ -91,15 +92,6 @@ def _most_generated(engine) -> int:
     return max((len(r.gen.generated) for r in runs), default=0)
 
 
-def _line(proc: subprocess.Popen) -> dict:
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            pytest.fail(f"the AReaL driver exited ({proc.wait()}): {proc.stderr.read()[-3000:]}")
-        if line.startswith("{"):
-            return json.loads(line)
-
-
 def test_areal_remote_sglang_engine_sees_one_generation_across_a_sigkill(tmp_path):
     python = areal_python()
     with RecoverableEngine.launch(workers=1, shadow=True) as engine:
@@ -109,15 +101,15 @@ def test_areal_remote_sglang_engine_sees_one_generation_across_a_sigkill(tmp_pat
         proc = subprocess.Popen([python, "-c", DRIVER, addr, json.dumps(PROMPT), str(MAX_NEW)], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            want = _line(proc)
-            assert _line(proc)["phase"] == "ready"
+            want = read_json_line(proc, "AReaL")
+            assert read_json_line(proc, "AReaL")["phase"] == "ready"
             proc.stdin.write("go\n")
             proc.stdin.flush()
             poll(lambda: _most_generated(engine) >= KILL_AT, 300, f"AReaL's request to reach {KILL_AT} tokens",
                  interval=0.005)
             pid = engine.worker_pid(0)
             os.killpg(pid, signal.SIGKILL)
-            got = _line(proc)
+            got = read_json_line(proc, "AReaL")
             assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
         finally:
             if proc.poll() is None:

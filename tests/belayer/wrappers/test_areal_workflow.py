@@ -17,7 +17,12 @@ import pytest
 
 from belayer_engine import RecoverableEngine
 from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
-from tests.belayer.wrappers.episodes import EPISODE, UNRECOVERABLE, first_sandbox_only
+from tests.belayer.wrappers.episodes import (
+    EPISODE,
+    UNRECOVERABLE,
+    first_sandbox_only,
+    read_json_line,
+)
 from tests.belayer.wrappers.test_areal import areal_python
 
 pytestmark = pytest.mark.timeout(900)
@@ -64,12 +69,7 @@ def areal(docker_client):
             return read()
 
         def read() -> dict:
-            while True:
-                line = proc.stdout.readline()
-                if not line:
-                    pytest.fail(f"the AReaL driver exited ({proc.wait()}): {proc.stderr.read()[-3000:]}")
-                if line.startswith("{"):
-                    return json.loads(line)
+            return read_json_line(proc, "AReaL")
 
         try:
             assert read()["phase"] == "ready"

@@ -26,6 +26,7 @@ if MISSING is None:  # else every test fails (the fixture below), naming the set
 
     from belayer.wrappers.minisweagent import RolledBack
     from belayer_env.faults import kill_container
+    from tests.belayer.wrappers.episodes import failing_fresh_sandboxes
     from tests.belayer_env.conftest_env import assert_no_infra_text
     from tests.conftest import wait_until
 
@@ -159,22 +160,18 @@ def test_agent_regenerates_after_a_real_sigkill(msw_env, docker_client, monkeypa
     assert saved["info"]["config"]["environment_type"] == "belayer.wrappers.minisweagent.RecoverableDockerEnvironment"
 
 
-def failing_fresh_sandboxes(env, times: int | None):
-    """A phase hook (the project's fault injector raises the same way) that fails the creation
-    of the env's fresh sandboxes ``times`` times (None: always): with no checkpoint, every
-    restore is a fresh sandbox, so ``recovery_attempts`` of them put the sandbox beyond recovery."""
-    from belayer_env.faults import InjectedFault
-    from belayer_env.common.phases import Phase
+def run_with_sandbox_lost(env, docker_client, outputs: list, fail_restores: int | None):
+    """mini-swe-agent's ``DefaultAgent`` on ``outputs``; the container is SIGKILLed while the model
+    writes message 2 and the creation of fresh sandboxes fails ``fail_restores`` times (None: always)."""
+    def beyond_recovery() -> None:
+        failing_fresh_sandboxes(env, fail_restores)
+        kill_container(docker_client, env.container_id)
 
-    left = {"n": times}
-
-    def hook(phase: Phase) -> None:
-        if phase == Phase.CREATED and (left["n"] is None or left["n"] > 0):
-            if left["n"] is not None:
-                left["n"] -= 1
-            raise InjectedFault("injected: the host cannot create sandboxes")
-
-    env.env.add_phase_hook(hook)
+    model = HookedModel(outputs=outputs, hooks={1: beyond_recovery})
+    agent = DefaultAgent(model, env, system_template="You run shell commands.", instance_template="Task: {{task}}",
+                         step_limit=10, cost_limit=0.0)
+    env.bind(agent)
+    return model, agent, agent.run("append one to /log, then submit it")
 
 
 def test_beyond_recovery_the_run_restarts_in_a_fresh_sandbox(msw_env, docker_client):
@@ -187,16 +184,8 @@ def test_beyond_recovery_the_run_restarts_in_a_fresh_sandbox(msw_env, docker_cli
                make_output("lost", [{"command": "echo two >> /log"}], cost=0.0),
                make_output("again", [{"command": "echo one >> /log"}], cost=0.0),
                make_output("done", [{"command": SUBMIT}], cost=0.0)]
-
-    def beyond_recovery() -> None:
-        failing_fresh_sandboxes(env, env.env.config.recovery_attempts)  # every restore of this sandbox
-        kill_container(docker_client, env.container_id)
-
-    model = HookedModel(outputs=outputs, hooks={1: beyond_recovery})
-    agent = DefaultAgent(model, env, system_template="You run shell commands.", instance_template="Task: {{task}}",
-                         step_limit=10, cost_limit=0.0)
-    env.bind(agent)
-    result = agent.run("append one to /log, then submit it")
+    # every restore of this sandbox fails; the fresh one the policy starts does not
+    model, agent, result = run_with_sandbox_lost(env, docker_client, outputs, env.env.config.recovery_attempts)
     assert result["exit_status"] == "Submitted" and result["submission"] == "one\n", agent.messages[-1]
     assert model.prompts[2] == model.prompts[0], "the agent restarted from its first query"
     belayer = env.serialize()["info"]["belayer"]
@@ -212,16 +201,7 @@ def test_past_its_retries_the_run_ends_infra_dropped_without_a_reward(msw_env, d
     env = msw_env(checkpoint_policy="never", timeout=60, infra={"retries": 1})
     outputs = [make_output("first", [{"command": "echo one >> /log"}], cost=0.0),
                make_output("lost", [{"command": "echo two >> /log"}], cost=0.0)]
-
-    def beyond_recovery() -> None:
-        failing_fresh_sandboxes(env, None)
-        kill_container(docker_client, env.container_id)
-
-    model = HookedModel(outputs=outputs, hooks={1: beyond_recovery})
-    agent = DefaultAgent(model, env, system_template="You run shell commands.", instance_template="Task: {{task}}",
-                         step_limit=10, cost_limit=0.0)
-    env.bind(agent)
-    result = agent.run("append one to /log, then submit it")
+    model, agent, result = run_with_sandbox_lost(env, docker_client, outputs, None)
     assert result["exit_status"] == "InfraDropped" and result["submission"] == "", result
     assert len(result["belayer_dropped"]) == 2, result  # the first sandbox, then the one fresh sandbox
     assert set(result["belayer_dropped"]) <= {"RestoreFailed", "SandboxLost", "InjectedFault"}, result

@@ -27,6 +27,7 @@ except ImportError as e:  # pragma: no cover - depends on the machine's set-up
     MISSING = f"skyrl-gym is not importable ({e}): run `bash scripts/setup_skyrl.sh` (part of scripts/setup.sh)"
 
 from belayer_env.faults import kill_container
+from tests.belayer.wrappers.episodes import failing_fresh_sandboxes
 from tests.belayer_env.conftest_env import assert_no_infra_text, containers_of
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -132,23 +133,6 @@ def test_skyrl_gym_is_imported_lazily():
     assert out.returncode == 0, out.stderr
     assert "ImportError: belayer.wrappers.skyrl needs skyrl-gym" in out.stdout
     assert "scripts/setup_skyrl.sh" in out.stdout
-
-
-def failing_fresh_sandboxes(env, times: int | None) -> None:
-    """Fail the creation of the env's fresh sandboxes ``times`` times (None: always), as the
-    project's fault injector does (a phase hook raising ``InjectedFault``)."""
-    from belayer_env.common.phases import Phase
-    from belayer_env.faults import InjectedFault
-
-    left = {"n": times}
-
-    def hook(phase: Phase) -> None:
-        if phase == Phase.CREATED and (left["n"] is None or left["n"] > 0):
-            if left["n"] is not None:
-                left["n"] -= 1
-            raise InjectedFault("injected: the host cannot create sandboxes")
-
-    env.env.add_phase_hook(hook)
 
 
 def test_beyond_recovery_the_sample_restarts_in_a_fresh_sandbox(skyrl_env, docker_client):

@@ -35,6 +35,7 @@ import pytest
 
 from belayer_engine import RecoverableEngine
 from tests.belayer.wrappers.episodes import EPISODE, UNRECOVERABLE, first_sandbox_only
+from tests.belayer.wrappers.episodes import model_spans as spans_of
 from tests.belayer_engine.conftest import poll
 
 pytestmark = pytest.mark.timeout(600)
@@ -140,14 +141,7 @@ def golden(engine):
 
 def model_spans(sample: SlimeSample) -> list[tuple[int, int]]:
     """(start, end) of every run of loss-mask 1 in the response."""
-    spans, start = [], None
-    for i, m in enumerate([*sample.loss_mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
+    return spans_of(sample.loss_mask)
 
 
 def assert_same_sample(sample: SlimeSample, golden: SlimeSample) -> None:

@@ -28,7 +28,13 @@ import pytest
 
 from belayer_engine import RecoverableEngine
 from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
-from tests.belayer.wrappers.episodes import EPISODE, UNRECOVERABLE, first_sandbox_only
+from tests.belayer.wrappers.episodes import (
+    EPISODE,
+    UNRECOVERABLE,
+    first_sandbox_only,
+    model_spans,
+    read_json_line,
+)
 from tests.belayer_engine.conftest import poll
 
 pytestmark = pytest.mark.timeout(900)
@@ -60,12 +66,7 @@ class Driver:
         self.proc.stdin.flush()
 
     def read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                pytest.fail(f"the verl driver exited ({self.proc.wait()}): {self.proc.stderr.read()[-3000:]}")
-            if line.startswith("{"):  # verl prints progress lines of its own on stdout
-                return json.loads(line)
+        return read_json_line(self.proc, "verl")  # verl prints progress lines of its own on stdout
 
     def run(self, phase: str, rows: int, episode: dict, **kw) -> dict:
         self.send(phase, rows, episode, **kw)
@@ -95,18 +96,6 @@ def setup(docker_client):
             driver.close()
 
 
-def spans(row: dict) -> list[tuple[int, int]]:
-    """(start, end) of every run of loss-mask 1: the model's turns."""
-    out, start = [], None
-    for i, m in enumerate([*row["mask"], 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def assert_rows_equal(got: dict, want: dict) -> None:
     assert got["response_ids"] == want["response_ids"] and got["mask"] == want["mask"]
     worst = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
@@ -117,7 +106,7 @@ def assert_rows_equal(got: dict, want: dict) -> None:
 def assert_what_verl_received_is_what_the_engine_generated(row: dict, calls: list[dict]) -> None:
     """Each model turn of the row (mask 1) is one engine generation, ids and logprobs, in order;
     generations whose turn a rollback cut are the only ones missing."""
-    turns = [(row["response_ids"][b:e], row["logprobs"][b:e]) for b, e in spans(row)]
+    turns = [(row["response_ids"][b:e], row["logprobs"][b:e]) for b, e in model_spans(row["mask"])]
     it = iter(calls)
     for ids, logprobs in turns:
         call = next((c for c in it if c["ids"] == ids), None)
