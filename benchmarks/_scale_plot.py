@@ -34,7 +34,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticklabels([c.replace("x", " tok x ") + " req" for c in cells], rotation=20, fontsize=8)
     ax.set_ylabel("kill -> next token at the client (ms); tick: max")
     args = result["args"]
-    ax.set_title(f"{args['device']} {result['machine'].get('gpu') or ''} KV pool {args['kv_tokens']:,} tokens",
+    tokens = (result.get("pool") or {}).get("kv_tokens") or 0
+    ax.set_title(f"{args['device']} {result['machine'].get('gpu') or ''} KV pool {tokens:,} tokens",
                  fontsize=9)
     ax.set_yscale("log")
     ax.legend(fontsize=8)

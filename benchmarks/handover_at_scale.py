@@ -124,9 +124,9 @@ def _plain_memory(args) -> dict:
     from belayer_engine.common.net import free_port
 
     model = args.model_dir or str(ensure_embedded_model())
+    pool = args.plain_pool  # the engine's own sizes: the same KV pool, context and batch
     cfg = SGLangServerConfig(model_path=model, port=free_port(), device=args.device, venv=args.sglang_venv,
-                             max_total_tokens=args.kv_tokens, context_length=args.context,
-                             max_running_requests=args.max_running)
+                             max_total_tokens=pool["kv_tokens"], extra_args=pool["argv"])
     proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -148,16 +148,20 @@ def _plain_memory(args) -> dict:
 def run_mode(mode: str, args, result: dict, save) -> None:
     options, recovery = MODES[mode]
     router = RouterConfig(request_wait_s=900, stall_timeout_s=120.0, recovery=recovery)
-    worker_args = ["--context-length", str(args.context), "--max-running-requests", str(args.max_running),
-                   *args.worker_arg]
+    worker_args = (["--context-length", str(args.context)] if args.context else []) + \
+        (["--max-running-requests", str(args.max_running)] if args.max_running else []) + args.worker_arg
+    sizes = {"sglang_kv_tokens": args.kv_tokens} if args.kv_tokens else {}
     rng = random.Random(args.seed)
     t0 = time.monotonic()
     with RecoverableEngine.launch(backend="sglang", device=args.device, model=args.model_dir, router=router,
-                                  sglang_venv=args.sglang_venv, sglang_kv_tokens=args.kv_tokens,
-                                  worker_args=worker_args, start_timeout_s=900, **options) as engine:
+                                  sglang_venv=args.sglang_venv, worker_args=worker_args, start_timeout_s=900,
+                                  **sizes, **options) as engine:
         engine.wait_ready(timeout=900, stable=True)
+        backend = engine.supervisor._procs.backend
+        result["pool"] = {"kv_tokens": backend.kv_tokens, "reserve_tokens": backend.kv_reserve_tokens,
+                          "argv": backend.sizes}
         entry = result["modes"].setdefault(mode, {"start_s": time.monotonic() - t0, "memory": _memory(engine),
-                                                   "cells": {}})
+                                                   "kv_tokens": backend.kv_tokens, "cells": {}})
         save()
         vocab = args.vocab
         for context, inflight in args.cells:
@@ -194,9 +198,10 @@ def main() -> None:
     p.add_argument("--sglang-venv", default=None)
     p.add_argument("--modes", default="adopt,resident")
     p.add_argument("--cells", type=_cells, default=_cells("128x1,1024x4"), help="CONTEXTxINFLIGHT,...")
-    p.add_argument("--kv-tokens", type=int, default=8192, help="the KV pool (every server's --max-total-tokens)")
-    p.add_argument("--context", type=int, default=4096, help="the servers' --context-length")
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--kv-tokens", type=int, default=None, help="the KV pool (every server's --max-total-tokens); "
+                   "default: the engine's (GPU: 0.8 of the device after the weights; CPU: 4,096)")
+    p.add_argument("--context", type=int, default=None, help="the servers' --context-length (default: the engine's)")
+    p.add_argument("--max-running", type=int, default=None, help="--max-running-requests (default: the engine's)")
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--kill-after", type=int, default=16)
     p.add_argument("--vocab", type=int, default=500, help="prompt ids are drawn from [1, vocab)")
@@ -226,7 +231,8 @@ def main() -> None:
             result["modes"].setdefault(mode, {})["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"{mode} failed: {exc}", file=sys.stderr, flush=True)
             save()
-    if args.plain:
+    if args.plain and result.get("pool"):
+        args.plain_pool = result["pool"]
         result["plain"] = _plain_memory(args)
         save()
     print(f"wrote {path}")

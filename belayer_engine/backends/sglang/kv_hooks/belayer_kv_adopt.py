@@ -34,6 +34,7 @@ def patch_weight_updater(module) -> None:
                     _adopt(self.scheduler, tag[len(ADOPT_TAG):])
                 except Exception as exc:  # never the scheduler's end: adopt nothing, the router re-prefills
                     log.exception("belayer kv: adoption failed")
+                    _undo(self.scheduler)
                     say(f"adoption failed, nothing adopted: {type(exc).__name__}: {exc}")
                     S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [-1, 0]
         rest = [t for t in tags if t not in ours]
@@ -45,6 +46,13 @@ def patch_weight_updater(module) -> None:
         return ResumeMemoryOccupationReqOutput()
 
     cls.resume_memory_occupation = resume_memory_occupation
+
+
+def _undo(scheduler) -> None:
+    """A failed adoption leaves nothing behind: an empty cache and the shadow's slots (what it
+    inserted would otherwise be counted twice and stop SGLang's idle check)."""
+    S.promoted, S.adopted_reserve = False, None
+    scheduler.flush_cache()
 
 
 def _adopt(scheduler, source_sid: str) -> None:
@@ -63,20 +71,29 @@ def _adopt(scheduler, source_sid: str) -> None:
             raise RuntimeError(f"the arena knows no server {source_sid!r}")
         S.source_journal = jr.open_journal(S.source["journal"])
     src, table = S.source_journal, arena.tensor(S.source["table_handle"])
-    scheduler.flush_cache()  # an idle shadow: nothing of its own to keep (warm-up KV included)
+    if scheduler.tree_cache.evictable_size() or scheduler.tree_cache.protected_size():
+        scheduler.flush_cache()  # an idle shadow keeps nothing of its own (registration flushed its warm-up)
     device = S.allocator.device
     old_reserve = torch.from_numpy(src.reserve.copy()).to(device)
     in_reserve = torch.zeros(S.rows, dtype=torch.bool, device=device)
     in_reserve[old_reserve] = True
     version = int(S.journal.header[jr.H_VERSION])
-    adopted, rows_ok, tokens, skipped = [], 0, 0, 0
+    adopted, rows_ok, tokens = [], 0, 0
+    skipped = {"writing": int(((src.meta[:, jr.M_COMMITTED] > 0) & (src.meta[:, jr.M_SEQ] % 2 == 1)).sum()),
+               "version": 0, "changed": 0, "slots": 0}  # rows it was writing at the kill: never read
     for row, committed, row_version in src.stable_rows():
         seq = int(src.meta[row, jr.M_SEQ])
-        ids = src.row_tokens(row, committed, seq) if row_version == version else None
+        if row_version != version:
+            skipped["version"] += 1  # KV of older weights
+            continue
+        ids = src.row_tokens(row, committed, seq)
         idx = table[row, :committed].to(device=device, dtype=torch.int64)
-        if ids is None or committed > table.shape[1] or bool(((idx < 1) | (idx >= S.rows)).any()) \
+        if ids is None:
+            skipped["changed"] += 1
+            continue
+        if committed > table.shape[1] or bool(((idx < 1) | (idx >= S.rows)).any()) \
                 or bool(in_reserve[idx.clamp(0, S.rows - 1)].any()):
-            skipped += 1  # mid-write at the kill, older weights, or not the dead server's own slots
+            skipped["slots"] += 1  # not slots the dead server could own: never trusted
             continue
         scheduler.tree_cache.insert(InsertParams(key=RadixKey(array("q", ids.tolist())), value=idx.clone()))
         adopted.append(idx)

@@ -35,7 +35,9 @@ class SlotPlan:
 
 
 def _without(all_slots: torch.Tensor, *excluded: torch.Tensor) -> torch.Tensor:
-    keep = torch.ones(int(all_slots.max()) + 1 if all_slots.numel() else 1, dtype=torch.bool, device=all_slots.device)
+    """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it)."""
+    top = max([int(t.max()) for t in (all_slots, *excluded) if t.numel()], default=0)
+    keep = torch.ones(top + 1, dtype=torch.bool, device=all_slots.device)
     for e in excluded:
         if e.numel():
             keep[e.to(all_slots.device)] = False

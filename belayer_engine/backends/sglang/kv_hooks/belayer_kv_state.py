@@ -23,6 +23,7 @@ class _State:
     reserve = 0
     promoted = False
     adopted_reserve = None  # the old reserve, kept for clear() before the gate opens
+    journaled = False  # the first journal write is logged once
 
 
 S = _State()

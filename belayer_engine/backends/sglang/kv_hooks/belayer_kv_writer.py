@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import belayer_kv_journal as jr
 from belayer_kv_alloc import open_gate
-from belayer_kv_state import S, row_of
+from belayer_kv_state import S, row_of, say
 
 
 def patch_results(module) -> None:
@@ -54,6 +54,9 @@ def _journal(reqs) -> None:
         fills.append((origin, output))
     if not rows:
         return
+    if not S.journaled:
+        S.journaled = True
+        say(f"journaling: first rows {rows[:4]} committed {ends[:4]} (version {version})")
     j.begin(rows)
     for row, start, end, (origin, output) in zip(rows, starts, ends, fills, strict=True):
         n = len(origin)

@@ -74,3 +74,17 @@ def test_a_cold_worker_after_a_dead_one_takes_nothing_before_the_reap():
 def test_a_reserve_that_cannot_be_found_is_an_error():
     with pytest.raises(RuntimeError, match="untouched slots"):
         slots.choose_reserve(ROWS, RESERVE, _reserve(), torch.arange(1, ROWS), "cpu")
+
+
+def test_a_second_promotion_adopts_slots_numbered_past_the_old_reserve():
+    """The worker promoted first allocated from the first reserve (the highest slots) before
+    its own reserve was chosen lower down: its successor adopts slots above that reserve."""
+    first = _reserve()
+    adopted_first = torch.tensor([2, 3])
+    second = slots.choose_reserve(ROWS, RESERVE, first, adopted_first, "cpu")
+    assert int(second.max()) < int(first.min())
+    adopted_second = torch.tensor([int(first.min()), int(first.max()), 4])  # written from the first reserve
+    third = slots.choose_reserve(ROWS, RESERVE, second, adopted_second, "cpu")
+    plan = slots.promoted_plan(ROWS, second, adopted_second, third, "cpu", gate=lambda: False)
+    assert not _set(plan.free) & _set(adopted_second) and not _set(plan.hidden) & _set(adopted_second)
+    assert len(plan.free) + len(plan.hidden) + len(adopted_second) == SIZE

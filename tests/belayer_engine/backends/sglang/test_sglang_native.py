@@ -193,7 +193,8 @@ def test_abort_request_answers_like_sglang(servers):
 
 def test_sigkill_of_the_serving_sglang_server_mid_generation(servers):
     """One SIGKILL under two greedy generations, one streamed and one not (one kill: a new
-    SGLang shadow takes minutes to start here). The serving server runs in short slices
+    SGLang shadow takes minutes to start here). The shadow adopts both with their KV and
+    prefills only their newest ids; the ids equal a bare SGLang server's. The serving server runs in short slices
     until both generations have KILL_AT tokens and is then held stopped for the kill, so
     the kill lands mid-generation however this machine schedules the test."""
     url, eng = servers
@@ -235,5 +236,11 @@ def test_sigkill_of_the_serving_sglang_server_mid_generation(servers):
         assert worst <= LP_TOL, worst
         assert len(meta["weight_versions"]) == 1 and meta["weight_versions"][0]["end"] == KILLED_LONG
         assert meta["finish_reason"] == {"type": "length", "length": KILLED_LONG}
+        # The shadow adopted the dead server's KV (sglang_kv="arena", the default): the continuation's
+        # cached_tokens (SGLang's meta_info, reported as adopted_tokens) is every id re-sent but the
+        # newest one or two (the newest token's KV was still to be written; one more if the kill
+        # fell between a token's streaming and its journaling).
+        at = meta["belayer"]["failures"][0]["at_token"]
+        assert len(PROMPT) + at - 2 <= meta["belayer"]["adopted_tokens"] <= len(PROMPT) + at - 1, meta["belayer"]
         print(f"sglang stream={stream}: pid {pid} SIGKILLed; {KILLED_LONG} ids equal to bare SGLang's; "
               f"max |logprob diff| {worst:.2e}; failed at token {meta['belayer']['failures'][0]['at_token']}")
