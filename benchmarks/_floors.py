@@ -1,4 +1,4 @@
-"""The floors under the checkpoint benchmark's figures, measured in the same run on the same
+"""The floors under the checkpoint benchmarks' figures, measured in the same run on the same
 sandbox (issue 35 item 4): what no Belayer change can go below on this kernel and host.
 
 - ``freeze_thaw_s``: the bare freezer cgroup cycle (write FROZEN until frozen, write THAWED).
@@ -79,11 +79,11 @@ def start_n(client, sb: DockerSandbox, n: int) -> float:
             fence(client, name, background=False)
 
 
-def measure(client, sb: DockerSandbox, fork_n: int, out: dict[str, list[float]]) -> None:
-    """Every floor once on ``sb``, appended to ``out`` (one list per figure)."""
-    figures = {"freeze_thaw_s": freeze_thaw(sb), **bare_criu(sb), **docker_round_trips(client, sb)}
-    if fork_n:
-        figures["start_n_s"] = start_n(client, sb, fork_n)
+def record(out: dict[str, list[float]], figures: dict[str, float]) -> None:
+    """Append one round's floors to ``out``, one list per figure (each benchmark measures the
+    floors under its own figures: ``freeze_thaw`` and ``bare_criu`` under a capture's frozen
+    time, ``freeze_thaw`` and ``docker_round_trips`` under a standby's promotion, ``start_n``
+    under n forks)."""
     for k, v in figures.items():
         out.setdefault(k, []).append(v)
 

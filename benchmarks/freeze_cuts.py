@@ -21,7 +21,7 @@ Four cuts, each with its baseline:
 
 Variants: ``baseline`` (all four off: shared tables, two-process init, script relay,
 glibc), each cut alone, and ``all`` (as set-up and this version leave a host). Per scenario
-(``idle``, ``heavy`` as in checkpoint_bench.py) one sandbox per (tables, init) pair the
+(``idle``, ``heavy`` as in the checkpoint benchmarks, ``_checkpoint_common.py``) one sandbox per (tables, init) pair the
 variants use; every variant is captured once per round, in an order that rotates by round,
 an agent-like step before each capture. The host's settings and the installed hook are put
 back at the end.
@@ -57,8 +57,8 @@ from belayer_env.sandbox.docker_api import connect  # noqa: E402
 from belayer_env.sandbox.fence import fence  # noqa: E402
 from belayer_env.store.manifest import read_manifest  # noqa: E402
 from belayer_env.store.store import CheckpointStore  # noqa: E402
+from benchmarks._checkpoint_common import STEP, bench_sandbox, settle, uptime  # noqa: E402
 from benchmarks._plotting import pyplot, save_result  # noqa: E402
-from benchmarks.checkpoint_bench import STEP, bench_sandbox, settle, uptime  # noqa: E402
 
 VARIANTS = {"baseline": ("shared", "two", "script", "glibc"), "relay only": ("shared", "two", "native", "glibc"),
             "tables only": ("own", "two", "script", "glibc"), "musl only": ("shared", "two", "script", "musl"),

@@ -90,7 +90,7 @@ class Recovery:
             sandbox, j = self._restore(error, k, set(dead), parts, check_name=not onto_standby)
         finally:
             # removed once the rollback is done: deleting a big dead layer beside the restore
-            # slowed a heavy one by ~0.1 s (benchmarks/checkpoint_bench.py, prestaged_lost)
+            # slowed a heavy one by ~0.1 s (benchmarks/restore_bench.py, prestaged_lost)
             remove_in_background(self.episode.client, dead)
         return Restored(sandbox, j, detected, parts)
 

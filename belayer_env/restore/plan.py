@@ -39,7 +39,7 @@ from belayer_env.store.manifest import Checkpoint, read_manifest_digest
 
 Images = Literal["linked", "copied"]
 DEFAULT_IMAGES: str = os.environ.get("BELAYER_RESTORE_IMAGES", "linked")
-"""Chosen by measurement (benchmarks/checkpoint_bench.py, docs/restore.md)."""
+"""Chosen by measurement (benchmarks/restore_bench.py, docs/restore.md)."""
 
 
 @dataclass(frozen=True)
