@@ -87,11 +87,25 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
     for r in recs:
         r["t_kill"] = t_kill
         if t_kill is not None:
-            before = [n for t, n in r["chunks"] if t <= t_kill]
-            after = [t for t, n in r["chunks"] if t > t_kill]
-            r["at_kill"] = before[-1] if before else 0
+            failures = (r["meta"].get("belayer") or {}).get("failures") or [{}]
+            # the replacement's first token: past what the router had when it saw the failure
+            # (ids the dead worker made before the kill may still reach the client after it)
+            r["at_failure"] = at = failures[0].get("at_token", 0)
+            r["at_kill"] = max([n for t, n in r["chunks"] if t <= t_kill], default=0)
+            after = [t for t, n in r["chunks"] if t > t_kill and n > at]
             r["next_token_s"] = (after[0] - t_kill) if after else None
     return recs
+
+
+def _kv_log(run_dir: Path, seen: set) -> list[str]:
+    """New lines the servers' KV hook logged (adoption, skipped rows) since the last call."""
+    out = []
+    for log in sorted(run_dir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "belayer kv:" in line and (log.name, line) not in seen:
+                seen.add((log.name, line))
+                out.append(f"{log.stem}: {line.split('belayer kv:', 1)[1].strip()}")
+    return out
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -164,6 +178,8 @@ def run_mode(mode: str, args, result: dict, save) -> None:
                                                    "kv_tokens": backend.kv_tokens, "cells": {}})
         save()
         vocab = args.vocab
+        seen: set = set()
+        entry["kv_log"] = _kv_log(engine.supervisor.run_dir, seen)
         for context, inflight in args.cells:
             length = context - args.max_new
             prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(inflight)]
@@ -172,7 +188,7 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             killed = asyncio.run(run_cell(engine, prompts, args.max_new, args.kill_after))
             engine.wait_ready(timeout=900, stable=True)
             handover = [e for e in engine.events() if e["event"] == "handover"][-1]
-            per = [{"next_token_s": k["next_token_s"], "at_kill": k["at_kill"],
+            per = [{"next_token_s": k["next_token_s"], "at_kill": k["at_kill"], "at_failure": k["at_failure"],
                     "first_diff": _first_diff(k["ids"], r["ids"]),
                     "adopted_tokens": (k["meta"].get("belayer") or {}).get("adopted_tokens"),
                     "reprefilled_tokens": (k["meta"].get("belayer") or {}).get("reprefilled_tokens"),
@@ -181,7 +197,7 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             entry["cells"][f"{context}x{inflight}"] = {
                 "context": context, "inflight": inflight, "next_token_s": _stats([p["next_token_s"] for p in per]),
                 "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
-                "requests": per}
+                "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
             print(f"{mode} {context}x{inflight}: next token p50 {entry['cells'][f'{context}x{inflight}']['next_token_s']}"
                   f", identical {entry['cells'][f'{context}x{inflight}']['identical']}/{inflight}", flush=True)
             save()

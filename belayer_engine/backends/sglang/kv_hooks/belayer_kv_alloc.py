@@ -19,9 +19,14 @@ def patch_allocator(module) -> None:
         if S.journal is None:  # not a pool the arena serves (never expected here)
             raise RuntimeError("belayer kv: the allocator was built before the arena's pool")
         clear_(self)
+        first = S.allocator is None
         S.allocator = self
         apply_plan(self, _plan_for_clear(self))
         self.release_pages = self.free_pages[:0].clone()
+        if first:
+            say(f"{S.role} allocator: {len(self.free_pages)} slots free, {len(self._belayer_hidden)} counted until "
+                f"{'the gate opens' if self._belayer_gate else 'promotion' if S.role == 'shadow' else 'never'} "
+                f"(SGLang's size {self.size})")
 
     def alloc_(self, need_size: int):
         if need_size > len(self.free_pages) + len(self.release_pages):

@@ -34,8 +34,11 @@ def say(msg: str) -> None:
 
 
 def row_of(req):
-    kv = getattr(req, "kv", None)
-    return getattr(kv, "req_pool_idx", None) if kv is not None else getattr(req, "req_pool_idx", None)
+    """The request's row of the request-to-token table: on the request in SGLang 0.5.17 (whose
+    ``req.kv`` is another record), on its ``kv`` record in 0.5.23."""
+    if hasattr(req, "req_pool_idx"):
+        return req.req_pool_idx
+    return getattr(getattr(req, "kv", None), "req_pool_idx", None)
 
 
 def source_reaped() -> bool:
