@@ -94,6 +94,11 @@ class RequestFailed(BelayerError):
     error; it is not replayed, and no worker or device is blamed for it."""
 
 
+class Overloaded(BelayerError):
+    """The engine already holds as much waiting work as it queues: this request is refused
+    whole before any of it runs (HTTP 429); nothing failed, try again later."""
+
+
 __all__ = [
     "ArenaLost",
     "BelayerError",
@@ -105,6 +110,7 @@ __all__ = [
     "InfraError",
     "InvalidAction",
     "NodeLost",
+    "Overloaded",
     "RequestFailed",
     "RestoreFailed",
     "SandboxLost",

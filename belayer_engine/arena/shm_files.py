@@ -3,11 +3,15 @@
 
 A file is named after its arena as ``belayer_core.procfs.OwnerId`` (pid and start time), the
 one owner-liveness rule of the project: a recycled pid never keeps a dead arena's files.
+A random token of the arena process follows (``belayer-arena-<pid>-<start>-<token>-<region>``):
+the pid and start time are no secret, and a name that can be derived from them is one a
+request could aim at (issue 47); the token makes the names unguessable.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,11 +21,19 @@ from belayer_core.procfs import OwnerId, owner_alive
 # of every other arena on the machine).
 SHM_DIR = Path(os.environ.get("BELAYER_SHM_DIR") or ("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"))
 SHM_PREFIX = "belayer-arena-"
+_token: tuple[int, str] = (0, "")  # (pid, token): a forked child draws its own
+
+
+def _process_token() -> str:
+    global _token
+    if _token[0] != os.getpid():
+        _token = (os.getpid(), secrets.token_hex(16))
+    return _token[1]
 
 
 def shm_path(name: str) -> Path:
     """The file of region ``name`` of this arena process."""
-    return SHM_DIR / f"{SHM_PREFIX}{OwnerId.current().to_label()}-{name}"
+    return SHM_DIR / f"{SHM_PREFIX}{OwnerId.current().to_label()}-{_process_token()}-{name}"
 
 
 def orphaned() -> list[Path]:

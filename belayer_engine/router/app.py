@@ -23,6 +23,8 @@ from .native_admin import NativeAdmin
 from .native_api import NativeHandlers
 from .openai_api import OpenAIHandlers, error_response
 from .recovery import Continuation
+from .upstream import progressed_within
+from .views import workers_view
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +147,7 @@ class Router:
         return web.json_response(body, status=200 if live else 503)
 
     async def _workers(self, request: web.Request) -> web.Response:
-        view = self.table.snapshot()
-        if self.status is not None:
-            view["supervisor"] = self.status()
-        return web.json_response(view)
+        return web.json_response(workers_view(self.table, self.status))
 
     async def _probe_loop(self) -> None:
         assert self._session is not None
@@ -162,7 +161,8 @@ class Router:
                         ok = resp.status == 200
                 if ok and slot not in live:
                     await self.table.put_in_service(Endpoint(slot=slot, url=url))
-                elif not ok and slot in live:
+                elif not ok and slot in live and not progressed_within(live[slot], self.config.stall_timeout_s):
+                    # a worker that sends tokens is busy, not dead, however slow its /health
                     self.table.report_failure(live[slot], "health probe failed")
             await asyncio.sleep(self.config.probe_interval_s)
 

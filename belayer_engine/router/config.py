@@ -67,6 +67,9 @@ class RouterConfig(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_wait_s: float = Field(default=120.0, gt=0, description="how long a request waits for a healthy worker")
     max_recoveries: int = Field(default=16, ge=0, description="per request, then the client gets an error")
+    max_waiting_generations: int = Field(default=16384, ge=1, description=(
+        "generations that may wait in the router for a worker with room (each worker is sent only what it "
+        "runs at once); a request that would make more wait: 429"))
     default_max_tokens: int = Field(default=256, ge=1)
     tokenizer: str | None = Field(default=None, description="model dir with tokenizer.json; None = embedded byte tokenizer")
     probe_interval_s: float = Field(default=1.0, gt=0, description="health probing of workers without a supervisor")

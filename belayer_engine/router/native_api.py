@@ -17,7 +17,7 @@ import time
 
 from aiohttp import web
 
-from belayer_core.errors import BelayerError, RequestFailed, UsageError
+from belayer_core.errors import BelayerError, Overloaded, RequestFailed, UsageError
 
 from .native_requests import parse_native
 from .native_run import NativeRun
@@ -34,6 +34,8 @@ def native_error(status: int, message: str) -> web.Response:
 def failure_status(exc: BelayerError) -> int:
     if isinstance(exc, UsageError):
         return 400
+    if isinstance(exc, Overloaded):
+        return 429
     return 500 if isinstance(exc, RequestFailed) else 503
 
 
@@ -51,8 +53,9 @@ class NativeHandlers:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = parse_native(parse_json(await request.read()), self.codec.encode)
-        except UsageError as exc:
-            return native_error(400, str(exc))
+            self.continuation.admission.check_room(len(req.items))
+        except BelayerError as exc:
+            return native_error(failure_status(exc), str(exc))
         if not self.resumed.is_set():  # SGLang holds new requests while generation is paused
             self.held += 1
             try:
@@ -62,7 +65,8 @@ class NativeHandlers:
         busy = sorted({i.rid for i in req.items if i.rid in self.running})
         if busy:
             return native_error(400, f"rid {busy}: a request with this id is already running")
-        runs = [NativeRun(item, self.codec, i) for i, item in enumerate(req.items)]
+        group = object()  # its generations are one request in the router's queue
+        runs = [NativeRun(item, self.codec, i, group) for i, item in enumerate(req.items)]
         for run in runs:
             self.running[run.item.rid] = run
         try:

@@ -26,7 +26,7 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 class NativeRun:
     """One generation: feeds on ``Continuation`` chunks, answers SGLang-shaped dicts."""
 
-    def __init__(self, item: NativeItem, codec, index: int) -> None:
+    def __init__(self, item: NativeItem, codec, index: int, group: object = None) -> None:
         sp = item.sampling
         self.item = item
         self.codec = codec
@@ -34,7 +34,7 @@ class NativeRun:
         self.gen = Generation(prompt_ids=item.prompt_ids, max_new_tokens=sp.max_new_tokens,
                               sampling=sp.worker_params(),
                               top_logprobs_num=item.top_logprobs_num if item.return_logprob else None,
-                              rid=item.rid)
+                              rid=item.rid, group=group)
         self.started = time.time()
         self.aborted = asyncio.Event()
         self.spans: list[dict] = []  # weight version of each run of output tokens
@@ -45,19 +45,21 @@ class NativeRun:
     # ------------------------------------------------------------------ driving
 
     async def drive(self, continuation: Continuation, on_progress: Callable[[NativeRun], Awaitable[None]] | None = None) -> None:
-        """Run to a finish (or an abort); ``on_progress`` after each chunk with new ids."""
+        """Run to a finish (or an abort); ``on_progress`` after each chunk with new ids.
+
+        However it ends (a finish, ``/abort_request``, the client gone and this task
+        cancelled), the pending step of the generation is cancelled before the stream is
+        closed: left running, it kept its worker stream and its place in the router's
+        queue after the client had gone."""
         gen = self.gen
         chunks = continuation.run(gen)
+        stop = asyncio.ensure_future(self.aborted.wait())
+        nxt: asyncio.Future | None = None
         try:
             while True:
                 nxt = asyncio.ensure_future(anext(chunks, None))
-                stop = asyncio.ensure_future(self.aborted.wait())
                 done, _ = await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
-                stop.cancel()
                 if nxt not in done:  # /abort_request: end it here with what it has
-                    nxt.cancel()
-                    with contextlib.suppress(BaseException):
-                        await nxt
                     gen.finish = dict(ABORTED)
                     return
                 chunk = nxt.result()
@@ -74,6 +76,11 @@ class NativeRun:
                 if on_progress is not None and chunk.ids:
                     await on_progress(self)
         finally:
+            stop.cancel()
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
             await chunks.aclose()  # closes the worker stream: the worker frees the request
 
     def _absorb(self, chunk: Chunk) -> None:

@@ -19,7 +19,7 @@ import uuid
 
 from aiohttp import web
 
-from belayer_core.errors import BelayerError, RequestFailed, UsageError
+from belayer_core.errors import BelayerError, Overloaded, RequestFailed, UsageError
 
 from .logprobs import LogprobFormatter
 from .recovery import Continuation, Generation
@@ -45,6 +45,8 @@ def _failure(exc: BelayerError) -> tuple[int, str, str]:
     """(HTTP status, message, error type) of a request that could not be served."""
     if isinstance(exc, UsageError):
         return 400, str(exc), "invalid_request_error"
+    if isinstance(exc, Overloaded):
+        return 429, str(exc), "rate_limit_error"
     if isinstance(exc, RequestFailed):  # this request alone; the engine is fine
         return 500, f"{type(exc).__name__}: {exc}", "server_error"
     return 503, f"{type(exc).__name__}: {exc}", "server_error"  # no healthy worker
@@ -87,12 +89,13 @@ class OpenAIHandlers:
         prompt = self._prompt_ids(req)
         top = req.top_logprobs_num()
         out = []
+        group = object()  # its choices are one request in the router's queue
         for index in range(req.choices()):
             sampling = req.sampling()
             if index and "sampling_seed" in sampling:
                 sampling["sampling_seed"] = choice_seed(sampling["sampling_seed"], index)
             gen = Generation(prompt_ids=prompt, max_new_tokens=req.budget(self.default_max_tokens),
-                             sampling=sampling, top_logprobs_num=top)
+                             sampling=sampling, top_logprobs_num=top, group=group)
             out.append(_Choice(index, gen, TextStream(self.codec, sampling.get("stop")),
                                None if top is None else LogprobFormatter(self.codec, chat)))
         return out
@@ -101,8 +104,9 @@ class OpenAIHandlers:
         try:
             req = parse_request(parse_json(await request.read()), chat)
             choices = self._choices(req, chat)
-        except UsageError as exc:
-            return error_response(400, str(exc))
+            self.continuation.admission.check_room(len(choices))
+        except BelayerError as exc:
+            return error_response(*_failure(exc))
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         meta = {"id": rid, "created": int(time.time()), "model": req.model or self.model_name}
@@ -285,4 +289,5 @@ def _summary(choices: list[_Choice]) -> dict:
             "regenerated_tokens": sum(s["regenerated_tokens"] for s in per),
             "reprefilled_tokens": sum(s["reprefilled_tokens"] for s in per),
             "replayed_tokens": sum(s["replayed_tokens"] for s in per),
+            "adopted_tokens": sum(s["adopted_tokens"] for s in per),
             "diverged": any(s["diverged"] for s in per), "choices": per}

@@ -11,12 +11,22 @@ request from a failure of the worker by the worker's liveness (``/health``):
   answer, an ``abort`` finish carrying a ``status_code`` (SGLang's shape for an error
   inside one request), an abort or broken stream while the worker answers ``/health``,
   and a stream silent for ``max_silence`` while the worker stays healthy.
+- ``WorkerBusy`` (429: the worker holds all it takes): the generation waits in the router
+  again (``admission.py``); nobody is blamed.
+
+A silent stream is not a stalled worker while the worker sends other streams tokens: a
+busy worker is slow to answer ``/health`` (its event loop serves every stream), and once
+that was taken for a stall and the busy worker handed over (issue 47, item 4). So the
+``/health`` probe runs only when the whole endpoint has sent nothing for ``stall_timeout``
+(``progressed_within``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,6 +37,17 @@ from belayer_engine.common.routing import LOST, Endpoint
 from belayer_engine.common.sse import sse_json
 
 _DONE = object()
+_last_chunk: weakref.WeakKeyDictionary[Endpoint, float] = weakref.WeakKeyDictionary()  # monotonic
+
+
+class WorkerBusy(Exception):
+    """The worker answered 429: it holds all it takes (not a failure of anyone)."""
+
+
+def progressed_within(endpoint: Endpoint, seconds: float) -> bool:
+    """True when ``endpoint`` sent any of its streams a chunk in the last ``seconds``."""
+    at = _last_chunk.get(endpoint)
+    return at is not None and time.monotonic() - at < seconds
 
 
 @dataclass
@@ -68,19 +89,23 @@ def _logprob_slice(meta: dict, start: int, count: int, top: bool) -> tuple[list[
     return lps, [[(_lp(e[0]), int(e[1])) for e in row or ()] for row in tops]
 
 
-async def _pump(session: aiohttp.ClientSession, url: str, body: dict, queue: asyncio.Queue, connect_timeout: float) -> None:
+async def _pump(session: aiohttp.ClientSession, endpoint: Endpoint, body: dict, queue: asyncio.Queue,
+                connect_timeout: float) -> None:
     """Read the SSE stream into ``queue``; errors are queued, never raised."""
     try:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout)
-        async with session.post(url + "/generate", json=body, timeout=timeout) as resp:
+        async with session.post(endpoint.url + "/generate", json=body, timeout=timeout) as resp:
             if resp.status >= 400:
                 text = await resp.text()
-                if 400 <= resp.status < 500 and resp.status not in (408, 429):
+                if resp.status == 429:
+                    queue.put_nowait(WorkerBusy(f"worker answered 429: {text[:200]}"))
+                elif 400 <= resp.status < 500 and resp.status != 408:
                     queue.put_nowait(UsageError(f"worker rejected the request ({resp.status}): {text[:500]}"))
                 else:
                     queue.put_nowait(WorkerLost(f"worker answered {resp.status}: {text[:200]}"))
                 return
             async for chunk in sse_json(resp.content, "worker"):
+                _last_chunk[endpoint] = time.monotonic()
                 queue.put_nowait(chunk)
             queue.put_nowait(_DONE)
     except asyncio.CancelledError:
@@ -129,7 +154,7 @@ async def stream_generate(
     endpoint.inflight += 1
     if endpoint.lost:
         queue.put_nowait(LOST)
-    pump = asyncio.create_task(_pump(session, endpoint.url, body, queue, connect_timeout))
+    pump = asyncio.create_task(_pump(session, endpoint, body, queue, connect_timeout))
     seen = 0
     want_logprobs, want_top = bool(body.get("return_logprob")), bool(body.get("top_logprobs_num"))
     finished = False
@@ -140,7 +165,8 @@ async def stream_generate(
                 item = await asyncio.wait_for(queue.get(), stall_timeout)
             except TimeoutError:
                 silent += stall_timeout
-                if not await _answers_health(session, endpoint, probe_timeout):
+                if not progressed_within(endpoint, stall_timeout) and not await _answers_health(
+                        session, endpoint, probe_timeout):
                     raise WorkerLost(f"stalled: no token for {silent:.1f}s and no /health answer") from None
                 if silent >= max_silence:  # the worker is fine; this one request is stuck
                     raise RequestFailed(f"no token for {silent:.0f}s while the worker stays healthy; request ended") from None

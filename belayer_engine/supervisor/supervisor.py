@@ -297,6 +297,9 @@ class Supervisor(Handover):
             elif proc is slot.shadow:
                 slot.shadow = None
                 self._event(slot, "shadow_lost", code=code)
+                with contextlib.suppress(WorkerLost):  # what it started goes with it
+                    await fence(proc, self.config.fence_timeout_s)
+                    await self._procs.reaped(proc)
                 self._rearm(slot)
 
         self._spawn_task(watch())
@@ -315,6 +318,9 @@ class Supervisor(Handover):
             for slot in self.slots:
                 proc = slot.worker
                 if proc is None or slot.lock.locked() or not proc.alive:
+                    continue
+                if slot.endpoint is not None and slot.endpoint.inflight:
+                    slot.probe_failures = 0  # busy: the router's stall detection, which sees its progress, judges it
                     continue
                 ok = await self._procs.healthy(proc)
                 slot.probe_failures = 0 if ok else slot.probe_failures + 1

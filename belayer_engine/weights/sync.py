@@ -92,8 +92,8 @@ class WeightSync:
                 except (ArenaLost, WorkerLost, OSError) as exc:
                     await self._restart(slot, f"weight update v{version} failed: {exc}")
                     continue
-                if not taken:  # the first arena validated names and shapes
-                    self.weights.merge(state_dict, version)
+                if not taken:  # the first arena validated names and shapes; a copy of GBs: off the loop
+                    await asyncio.to_thread(self.weights.merge, state_dict, version)
                 taken.append(slot.name)
                 self._event(slot, "weights_updated", version=version)
             if not taken:

@@ -1,64 +1,115 @@
-"""SGLang's ``update_weights_from_tensor`` payload, decoded without running the sender's code.
+"""SGLang's ``update_weights_from_tensor`` payload, accepted by value only.
 
-Each entry of ``serialized_named_tensors`` is base64 of a ``ForkingPickler`` pickle of
-``[(name, tensor), ...]`` (SGLang's ``MultiprocessingSerializer``): tensors travel as
-handles to shared memory (torch's ``file_system`` sharing strategy on CPU, CUDA IPC on a
-GPU), not as bytes. Unpickling anything from HTTP would run what the pickle names, so only
-torch's own rebuild functions, ``torch.Tensor``/``Size``/``UntypedStorage`` and dtypes may
-be named; anything else (including the ``file_descriptor`` strategy, whose pickles name a
-socket listener of the sender) is a ``UsageError`` naming it. Apart from the router, which
-must not import torch: the router's route calls it in a thread.
+Each entry of ``serialized_named_tensors`` (one: this engine's workers have tp_size 1) is
+base64 of safetensors bytes (``safetensors.torch.save({name: tensor})``): the tensors'
+data travels in the request. Its header is checked completely against the served layout
+(every name known, the served shape and dtype, offsets that tile the data) and the entry's
+length against the header before the rest is decoded, so nothing larger than the tensors
+the served model has is ever allocated, and views (strides, overlaps) cannot be expressed.
+
+SGLang's own ``MultiprocessingSerializer`` pickles carry *handles*, not data: a shared-memory
+file name and the socket of a torch shared-memory manager (``file_system``), a socket of the
+sender (``file_descriptor``), a CUDA IPC handle. Honouring them let a request open, grow or
+overwrite any /dev/shm file the engine could open (the arena's live weights included), hold
+the engine on a socket that never answers, or describe a stride-0 gigabyte over four bytes
+(issue 47). A pickle is refused whole, unread (nothing in it is unpickled), with a 400
+naming the by-value form. Torch only for the tensors' views; the router calls it in a thread.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
-import pickle
+import warnings
+from collections.abc import Mapping
 
 from belayer_core.errors import UsageError
+from belayer_engine.weights import wire as weights_wire
 
-_REBUILD = "torch.multiprocessing.reductions"
-_ALLOWED = {
-    (_REBUILD, "rebuild_tensor"), (_REBUILD, "rebuild_typed_storage"), (_REBUILD, "rebuild_storage_filename"),
-    (_REBUILD, "rebuild_cuda_tensor"), ("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"),
-    ("torch.nn.parameter", "Parameter"),
-}
+FIELD = "serialized_named_tensors"
+_HEADER_PER_TENSOR = 512  # bytes of safetensors header one tensor may take (name, dtype, shape, offsets)
+_HEADER_BASE = 64 << 10  # and the rest of a header (``__metadata__``)
 
-
-class _TensorsOnly(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        import torch
-
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        hint = (" (send with torch.multiprocessing.set_sharing_strategy('file_system'))"
-                if module.startswith("multiprocessing") or name == "rebuild_storage_fd" else "")
-        raise UsageError(f"serialized_named_tensors: {module}.{name} is not a tensor rebuild function{hint}")
+BY_VALUE_HINT = (f"send tensors by value: {FIELD} = [base64.b64encode(safetensors.torch.save("
+                 "{name: tensor.cpu()})).decode()] (docs/router.md, 'Weight updates from a trainer')")
 
 
-def decode_named_tensors(entries) -> dict:
-    """``{name: tensor}`` of SGLang's ``serialized_named_tensors`` (one entry: tp_size 1)."""
-    import torch
-    import torch.multiprocessing  # noqa: F401 - registers the rebuild functions' module
+def layout_numel(layout: Mapping[str, list[int]]) -> int:
+    """Elements of every served tensor together."""
+    total = 0
+    for shape in layout.values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
 
-    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
-        raise UsageError("serialized_named_tensors: a list of one base64 string (this engine's workers have tp_size 1)")
+
+def max_entry_bytes(layout: Mapping[str, list[int]], itemsize: int) -> int:
+    """The most bytes one entry can decode to: every served tensor once, and its header."""
+    return 8 + max_header(layout) + layout_numel(layout) * itemsize
+
+
+def max_header(layout: Mapping[str, list[int]]) -> int:
+    return min(weights_wire.MAX_HEADER, _HEADER_BASE + _HEADER_PER_TENSOR * len(layout))
+
+
+def _b64(text: str, what: str) -> bytes:
     try:
-        raw = base64.b64decode(entries[0], validate=True)
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise UsageError(f"serialized_named_tensors: not base64: {exc}") from exc
-    try:
-        named = _TensorsOnly(io.BytesIO(raw)).load()
-    except UsageError:
-        raise
-    except Exception as exc:  # a truncated pickle, a shared-memory file that is gone, ...
-        raise UsageError(f"serialized_named_tensors: cannot be decoded: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(named, list | tuple) or not all(
-            isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-            for p in named):
-        raise UsageError("serialized_named_tensors: each entry must hold a list of (name, tensor) pairs")
-    if not named:
-        raise UsageError("serialized_named_tensors: no tensors")
-    return {name: t.detach() for name, t in named}
+        raise UsageError(f"{FIELD}: {what} is not base64: {exc}") from None
+
+
+def _decoded_length(text: str) -> int:
+    if len(text) % 4:
+        raise UsageError(f"{FIELD}: not base64: its length {len(text)} is not a multiple of 4")
+    return len(text) // 4 * 3 - (len(text) - len(text.rstrip("=")))
+
+
+def decode_named_tensors(entries, layout: Mapping[str, list[int]], dtype: str) -> dict:
+    """``{name: tensor}`` of one update: views over the decoded bytes, checked against the
+    served ``layout`` (HF name -> shape) and ``dtype``. Anything else: ``UsageError``."""
+    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
+        raise UsageError(f"{FIELD}: a list of one base64 string (this engine's workers have tp_size 1)")
+    text = entries[0]
+    itemsize = weights_wire.SIZES[dtype]
+    total = _decoded_length(text)
+    if total > max_entry_bytes(layout, itemsize):
+        raise UsageError(f"{FIELD}: {total} bytes, more than every served tensor "
+                         f"({max_entry_bytes(layout, itemsize)} bytes with its header)")
+    if total < 10:
+        raise UsageError(f"{FIELD}: {total} bytes, not a safetensors file; {BY_VALUE_HINT}")
+    head = _b64(text[:16], "its start")
+    if head[:1] == b"\x80":  # a pickle's PROTO opcode: SGLang's MultiprocessingSerializer
+        raise UsageError(f"{FIELD}: a pickle (SGLang's MultiprocessingSerializer) holds handles to the sender's "
+                         f"memory (shared-memory files, sockets, CUDA IPC), which this engine never opens; "
+                         f"{BY_VALUE_HINT}")
+    n = weights_wire.header_length(head[:8])
+    if n > min(max_header(layout), total - 8):
+        raise UsageError(f"{FIELD}: safetensors header of {n} bytes, more than the entry holds or "
+                         f"{max_header(layout)} (the served model's names); {BY_VALUE_HINT}")
+    prefix = _b64(text[: -(-(8 + n) // 3) * 4], "its header")
+    specs = weights_wire.parse_header(prefix[8 : 8 + n], layout, dtype)
+    want = 8 + n + (specs[-1].end if specs else 0)
+    if total != want:
+        raise UsageError(f"{FIELD}: {total} bytes, its safetensors header describes {want}")
+    return _views(_b64(text, "the entry"), 8 + n, specs)
+
+
+def _views(raw: bytes, start: int, specs: list[weights_wire.Spec]) -> dict:
+    import torch
+
+    from belayer_engine.model.weights import torch_dtype
+
+    out = {}
+    with warnings.catch_warnings():  # read-only bytes: the views are only read (copied into the arena)
+        warnings.simplefilter("ignore", UserWarning)
+        for s in specs:
+            dt = torch_dtype(s.dtype)
+            if s.end == s.begin:
+                out[s.name] = torch.empty(s.shape, dtype=dt)
+                continue
+            count = (s.end - s.begin) // weights_wire.SIZES[s.dtype]
+            out[s.name] = torch.frombuffer(raw, dtype=dt, count=count, offset=start + s.begin).view(s.shape)
+    return out

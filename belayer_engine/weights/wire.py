@@ -23,7 +23,7 @@ MAX_HEADER = 1 << 26  # names and shapes of any real model stay far below this
 
 # safetensors dtype tag <-> the model config's dtype name (the dtypes a model may have)
 TAGS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,9 @@ def parse_header(raw: bytes, layout: Mapping[str, list[int]], dtype: str) -> lis
         for s in shape:
             numel *= s
         begin, end = offsets
-        if end - begin != numel * _SIZES[dtype]:
+        if end - begin != numel * SIZES[dtype]:
             raise UsageError(f"{name}: data_offsets {offsets} hold {end - begin} bytes, "
-                             f"shape {shape} {dtype} needs {numel * _SIZES[dtype]}")
+                             f"shape {shape} {dtype} needs {numel * SIZES[dtype]}")
         specs.append(Spec(name, dtype, tuple(shape), begin, end))
     specs.sort(key=lambda s: s.begin)
     at = 0

@@ -19,9 +19,9 @@ def _parse(argv):
 
 def test_serve_parsers_and_targets():
     a = _parse(["serve", "arena", "--socket", "/tmp/x.sock", "--num-blocks", "9"])
-    assert a.func is serve.run and a.serve_runner == "belayer_engine.arena.server:run"
-    from belayer_engine.arena.config import FLAGS as ARENA_FLAGS
+    assert a.func is serve.run and a.serve_runner == "belayer_engine.backends.sglang.arena:run"
     from belayer_engine.backends.reference.config import FLAGS as WORKER_FLAGS
+    from belayer_engine.backends.sglang.arena import FLAGS as ARENA_FLAGS
 
     arena = ARENA_FLAGS.build(a)
     assert arena.socket == "/tmp/x.sock" and arena.num_blocks == 9 and arena.device == "cpu"

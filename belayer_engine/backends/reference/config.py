@@ -23,6 +23,8 @@ class WorkerConfig(BaseModel):
     hang_timeout_s: float = Field(60.0, gt=0, description="/health fails once one scheduler step takes longer")
     max_running: int = Field(32, ge=1, description="requests decoded together")
     max_prefill_tokens: int = Field(1024, ge=1, description="prompt tokens admitted per scheduler step")
+    max_queued: int = Field(256, ge=0, description=(
+        "requests that may wait for a running slot; more: 429 (the router sends only what runs at once)"))
     tokenizer_dir: str | None = Field(None, description="dir with tokenizer.json")
 
 

@@ -70,10 +70,12 @@ def _validation_message(exc: ValidationError) -> str:
 class WorkerApp:
     """aiohttp routes; the runtime does the work on its own engine thread."""
 
-    def __init__(self, rt: WorkerState, secret: str | None = None, hang_timeout_s: float = 60.0):
+    def __init__(self, rt: WorkerState, secret: str | None = None, hang_timeout_s: float = 60.0,
+                 max_queued: int = 256):
         self.rt = rt
         self.secret = secret
         self.hang_timeout_s = hang_timeout_s
+        self.max_queued = max_queued  # beyond max_running + this: 429, so no client can bury the event loop
         self.live: dict[str, Request] = {}
         self.draining = False  # SIGINT: finish what runs, take nothing new
         self._idle = asyncio.Event()  # set whenever ``live`` is empty (what a drain waits for)
@@ -173,6 +175,10 @@ class WorkerApp:
             g = await self._parse(request)
         except UsageError as exc:
             return _error(400, str(exc))
+        held = self.rt.scheduler.max_running + self.max_queued
+        if len(self.live) >= held:
+            return _error(429, f"worker holds {len(self.live)} requests, its most (max_running "
+                               f"{self.rt.scheduler.max_running} + max_queued {self.max_queued}): retry later")
         rid = g.rid or uuid.uuid4().hex
         if rid in self.live:
             return _error(400, f"request id {rid!r} is already running")
@@ -315,7 +321,7 @@ def run(args: argparse.Namespace) -> NoReturn:
         print(f"warning: {worker_auth.ENV} not set: every local user can use this worker", file=sys.stderr)
     rt = WorkerState(cfg.arena_socket, cfg.worker_id, cfg.shadow, cfg.threads,
                        cfg.max_running, cfg.max_prefill_tokens, tokenizer_dir=cfg.tokenizer_dir)
-    code = asyncio.run(_serve(WorkerApp(rt, secret, cfg.hang_timeout_s), cfg))
+    code = asyncio.run(_serve(WorkerApp(rt, secret, cfg.hang_timeout_s, cfg.max_queued), cfg))
     # Listener, connections, engine thread and arena attachment are closed: leave without the
     # interpreter's teardown (torch's takes seconds on a loaded machine, and a thread still
     # inside torch can abort it), so the supervisor sees this clean exit promptly.
