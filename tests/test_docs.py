@@ -84,6 +84,29 @@ def test_paths_the_docs_name_exist() -> None:
     assert not missing, "\n".join(missing)
 
 
+SHORT_MODULE = re.compile(r"`((?:\.\./)*\w[\w{},]*(?:/[\w{},.]+)*\.py)\b")
+# files of another project's repository: the page names the repository just before the path
+EXTERNAL = {"slime/agent/sandbox.py": "THUDM/slime"}
+
+
+def test_modules_the_docs_name_by_a_short_path_exist() -> None:
+    """``arena/server.py`` in a table of belayer_engine, ``test_scratch.py`` beside its tests:
+    some file of the repository ends so (a module that moved leaves the name dead)."""
+    files = {path.relative_to(ROOT).as_posix() for folder in [*DOCUMENTED, "tests", "scripts"]
+             for path in (ROOT / folder).rglob("*.py")}
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in SHORT_MODULE.finditer(text):
+            for path in _expand(m.group(1)):
+                if path in EXTERNAL:
+                    if EXTERNAL[path] not in text[max(0, m.start() - 200):m.start()]:
+                        missing.append(f"{page.relative_to(ROOT)}: {path} (name {EXTERNAL[path]} before it)")
+                elif path.startswith("../") or not any(f == path or f.endswith("/" + path) for f in files):
+                    missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, "\n".join(missing)
+
+
 DOTTED = re.compile(r"`((?:belayer_core|belayer_env|belayer_engine|belayer)(?:\.\w+)+)")
 # not modules: a response's `belayer` extension (`belayer.recoveries`) and container labels (`belayer.sandbox=`)
 NOT_MODULES = {"belayer.weight_version", "belayer.recoveries", "belayer.choices", "belayer.diverged",
@@ -125,6 +148,96 @@ def test_dotted_names_the_docs_show_resolve() -> None:
                       for name in DOTTED.findall(page.read_text())
                       if name not in NOT_MODULES and not _resolves(name)})
     assert not missing, "\n".join(missing)
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+DOCUMENTED = ["belayer_core", "belayer_env", "belayer_engine", "belayer", "benchmarks"]
+
+
+def _package_modules() -> set[str]:
+    """Every module of the packages (``__init__.py`` only re-exports: left out)."""
+    return {path.relative_to(ROOT).as_posix() for package in DOCUMENTED for path in (ROOT / package).rglob("*.py")
+            if path.name != "__init__.py" and "__pycache__" not in path.parts}
+
+
+def _architecture_tree() -> dict[str, str]:
+    """``path -> role`` of each line of architecture.md's module trees: the ``text`` blocks
+    whose first line is a package (``belayer_env/``); a level is two more spaces."""
+    listed: dict[str, str] = {}
+    for block in re.findall(r"^```text\n(.*?)^```", ARCHITECTURE.read_text(), re.DOTALL | re.MULTILINE):
+        lines = block.splitlines()
+        if not lines or lines[0].rstrip("/") not in DOCUMENTED:
+            continue
+        folders: list[str] = []
+        for line in lines:
+            indent = len(line) - len(line.lstrip(" "))
+            assert indent % 2 == 0 and indent // 2 <= len(folders), f"architecture.md: a level skipped: {line!r}"
+            del folders[indent // 2:]
+            name, _, role = line.strip().partition(" ")
+            listed["/".join([*folders, name.rstrip("/")])] = role.strip()
+            if name.endswith("/"):
+                folders.append(name.rstrip("/"))
+    return listed
+
+
+def test_architecture_names_every_module_with_its_role() -> None:
+    listed = _architecture_tree()
+    modules = _package_modules()
+    missing = sorted(modules - set(listed))
+    gone = sorted(path for path in listed if not (ROOT / path).exists())
+    no_role = sorted(path for path, role in listed.items() if not role and path not in DOCUMENTED)
+    assert not missing, "modules docs/architecture.md does not name:\n" + "\n".join(missing)
+    assert not gone, "docs/architecture.md names what is not there:\n" + "\n".join(gone)
+    assert not no_role, "no role given in docs/architecture.md:\n" + "\n".join(no_role)
+    assert len(modules) > 200  # the tree was read
+
+
+def test_the_architecture_check_reads_nested_folders() -> None:
+    listed = _architecture_tree()
+    assert "belayer_engine/backends/sglang/kv_hooks/belayer_kv_adopt.py" in listed
+    assert "belayer/examples/swe_rl/run.py" in listed and "benchmarks/main_job.py" in listed
+
+
+FIGURE = re.compile(r"\b\d[\d,]*(?:\.\d+)?\s?(?:ms|s|MiB|GiB|GB|tokens/s)\b")
+MEASURED = re.compile(r"(?i)\bmeasured\b|\bp50\b|\bp90\b|\bmedian\b")
+RESULT_FILE = re.compile(r"benchmarks/results/([\w.{},-]+)")
+MACHINE = re.compile(r"(?i)\b(?:\d+-core|\d+ CPUs?|CPU|VM|H100|H200|GPU|machine)\b")
+SGLANG_VERSION = re.compile(r"SGLang \d+\.\d+\.\d+")
+# sections that say "measured" of what the code measures, and quote no benchmark figure
+NO_FIGURES = {("docs/env.md", "## Checkpoints in the generation bubble (`belayer_env/env/policy.py`)")}
+
+
+def _sections() -> list[tuple[str, str, str]]:
+    """(page, heading, text) of every section of every page, code blocks left out."""
+    out = []
+    for page in PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.DOTALL | re.MULTILINE)
+        for section in re.split(r"^(?=#{1,4} )", text, flags=re.MULTILINE):
+            out.append((page.relative_to(ROOT).as_posix(), section.partition("\n")[0], section))
+    return out
+
+
+def test_each_measured_figure_names_its_machine_and_result_file() -> None:
+    """A section that quotes a measurement names the result file it comes from (the paths
+    test checks that it exists) and the machine; where that file is an SGLang run, the
+    SGLang version too (the H200 ran 0.5.17, set-up installs 0.5.23)."""
+    bad = []
+    for page, heading, text in _sections():
+        if (page, heading) in NO_FIGURES or not (MEASURED.search(text) and FIGURE.search(text)):
+            continue
+        files = RESULT_FILE.findall(text)
+        if not files:
+            bad.append(f"{page} {heading!r}: no benchmarks/results/ file")
+        if not MACHINE.search(text):
+            bad.append(f"{page} {heading!r}: no machine")
+        if any("sglang" in name for name in files) and not SGLANG_VERSION.search(text):
+            bad.append(f"{page} {heading!r}: an SGLang result without its SGLang version")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_figure_check_sees_figures() -> None:
+    quoted = [(page, heading) for page, heading, text in _sections() if MEASURED.search(text) and FIGURE.search(text)]
+    assert len(quoted) >= 10 and ("README.md", "# Belayer") in quoted, quoted
 
 
 RUN_PAGES = ["README.md", "docs/sandbox.md", "docs/capture.md", "docs/restore.md", "docs/fork.md", "docs/env.md"]
