@@ -1,7 +1,9 @@
 """Adoption: on promotion, the shadow takes the dead server's journaled requests into its
 radix cache. Their KV stays where the dead server wrote it, in the arena's pool, so the
 router's re-sent ``prompt + generated`` ids are a cache hit and only the newest token is
-prefilled; a row the dead server was writing, or one computed with older weights, is skipped."""
+prefilled. A row the dead server was writing at the kill counts up to its write before (the
+token whose KV a kernel may have been writing is never trusted: it is prefilled again); a
+row computed with older weights is skipped."""
 
 from __future__ import annotations
 
@@ -78,9 +80,10 @@ def _adopt(scheduler, source_sid: str) -> None:
     in_reserve = torch.zeros(S.rows, dtype=torch.bool, device=device)
     in_reserve[old_reserve] = True
     version = int(S.journal.header[jr.H_VERSION])
-    adopted, rows_ok, tokens = [], 0, 0
-    skipped = {"writing": int(((src.meta[:, jr.M_COMMITTED] > 0) & (src.meta[:, jr.M_SEQ] % 2 == 1)).sum()),
-               "version": 0, "changed": 0, "slots": 0}  # rows it was writing at the kill: never read
+    in_tree, touched, rows_ok, tokens = [], [], 0, 0
+    page_size = max(1, int(getattr(scheduler.tree_cache, "page_size", 1)))
+    cut = src.cut_rows()  # rows it was writing at the kill: adopted up to the write before
+    skipped = {"version": 0, "changed": 0, "slots": 0}
     for row, committed, row_version in src.stable_rows():
         seq = int(src.meta[row, jr.M_SEQ])
         if row_version != version:
@@ -95,12 +98,18 @@ def _adopt(scheduler, source_sid: str) -> None:
                 or bool(in_reserve[idx.clamp(0, S.rows - 1)].any()):
             skipped["slots"] += 1  # not slots the dead server could own: never trusted
             continue
-        scheduler.tree_cache.insert(InsertParams(key=RadixKey(array("q", ids.tolist())), value=idx.clone()))
-        adopted.append(idx)
+        cached = scheduler.tree_cache.insert(InsertParams(key=RadixKey(array("q", ids.tolist())), value=idx.clone()))
+        # the tree keeps only slots past what it already held for these ids: two requests of one
+        # prompt that each computed their own copy leave the second copy's slots to the allocator
+        # (hidden until the reap, like every other slot the dead server may still write)
+        aligned = committed // page_size * page_size
+        in_tree.append(idx[cached.prefix_len:aligned])
+        touched.append(idx)
         rows_ok += 1
         tokens += committed
-    held = torch.unique(torch.cat(adopted)) if adopted else old_reserve[:0]
-    own = slots.choose_reserve(S.rows, S.reserve, old_reserve, held, device)
+    held = torch.unique(torch.cat(in_tree)) if in_tree else old_reserve[:0]
+    everything = torch.unique(torch.cat(touched)) if touched else old_reserve[:0]
+    own = slots.choose_reserve(S.rows, S.reserve, old_reserve, everything, device)
     S.journal.reserve[:] = own.cpu().numpy()
     S.promoted, S.adopted_reserve = True, old_reserve
     apply_plan(S.allocator, slots.promoted_plan(S.rows, old_reserve, held, own, device, source_reaped))
@@ -108,4 +117,4 @@ def _adopt(scheduler, source_sid: str) -> None:
     S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [rows_ok, tokens]
     arena.call("kv_promoted", sid=S.sid, predecessor=source_sid)
     say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.numel()} slots) from {source_sid}, "
-         f"skipped {skipped}, in {1e3 * (time.perf_counter() - t0):.1f} ms")
+        f"{cut} cut to their write before the kill, skipped {skipped}, in {1e3 * (time.perf_counter() - t0):.1f} ms")

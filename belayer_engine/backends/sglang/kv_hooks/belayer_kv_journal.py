@@ -11,9 +11,11 @@ Layout (little-endian, one file):
   ``reserve`` below may be used by this server's successor), weights version in force.
 - reserve, int64[reserve length]: KV slots this server never allocates; its shadow warms up
   in them and, once promoted, allocates only there until this server is reaped.
-- meta, int64[rows, 4]: per request row ``seq`` (odd while the row is being written: a
-  reader skips it), ``committed`` (tokens whose KV is written and complete), the weights
-  ``version`` the row's KV was computed with, ``tokens_written``.
+- meta, int64[rows, 4]: per request row ``seq`` (odd while the row is being written),
+  ``committed`` (tokens whose KV is written and complete), the weights ``version`` the row's
+  KV was computed with, ``written`` (``committed`` as of the last write that finished: set
+  after ``seq`` is even again, so a row whose writer died inside a write is still good up
+  to there; a write only appends past it).
 - tokens, int32[rows, cols]: the token ids of each row's committed positions.
 
 The KV slot of each committed position is not here: it is in the server's request-to-token
@@ -68,22 +70,33 @@ class Journal:
     def end(self, rows) -> None:
         self.meta[rows, M_SEQ] += 1  # even again, and different from before the write
 
+    def publish(self, rows, ends, version: int) -> None:
+        """Close a write begun by ``begin`` whose tokens up to ``ends`` are in place."""
+        self.meta[rows, M_COMMITTED] = ends
+        self.meta[rows, M_VERSION] = version
+        self.end(rows)
+        self.meta[rows, M_WRITTEN] = ends  # last: while odd, a reader trusts only the previous write
+
     def invalidate(self, rows) -> None:
         """Rows whose KV is freed (request finished, aborted, retracted, cache flushed)."""
+        self.meta[rows, M_WRITTEN] = 0  # first: a reader that finds the row odd takes nothing
         self.begin(rows)
         self.meta[rows, M_COMMITTED] = 0
-        self.meta[rows, M_WRITTEN] = 0
         self.end(rows)
 
     # ------------------------------------------------------------------ the successor reads
     def stable_rows(self) -> list[tuple[int, int, int]]:
-        """``(row, committed, version)`` of every row with committed KV and no write in
-        progress (a row its writer died inside is skipped)."""
+        """``(row, committed, version)`` of every row with committed KV; a row its writer died
+        inside counts only up to its last finished write (what the dying write appended, and
+        the token whose KV it may have been writing, are never read)."""
         meta = self.meta.copy()
-        out = []
-        for row in np.nonzero((meta[:, M_COMMITTED] > 0) & (meta[:, M_SEQ] % 2 == 0))[0]:
-            out.append((int(row), int(meta[row, M_COMMITTED]), int(meta[row, M_VERSION])))
-        return out
+        writing = meta[:, M_SEQ] % 2 == 1
+        good = np.where(writing, meta[:, M_WRITTEN], meta[:, M_COMMITTED])
+        return [(int(row), int(good[row]), int(meta[row, M_VERSION])) for row in np.nonzero(good > 0)[0]]
+
+    def cut_rows(self) -> int:
+        """Rows a write was in progress in (they count up to the write before it)."""
+        return int(((self.meta[:, M_SEQ] % 2 == 1) & (self.meta[:, M_WRITTEN] > 0)).sum())
 
     def row_tokens(self, row: int, committed: int, seq_before: int) -> np.ndarray | None:
         """A copy of the row's committed token ids, None if the row changed while copied."""

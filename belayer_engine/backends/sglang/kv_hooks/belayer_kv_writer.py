@@ -64,7 +64,4 @@ def _journal(reqs) -> None:
             j.tokens[row, start:min(end, n)] = origin[start:min(end, n)]
         if end > n:
             j.tokens[row, max(start, n):end] = output[max(start, n) - n:end - n]
-    j.meta[rows, jr.M_COMMITTED] = ends
-    j.meta[rows, jr.M_WRITTEN] = ends
-    j.meta[rows, jr.M_VERSION] = version
-    j.end(rows)
+    j.publish(rows, ends, version)

@@ -25,9 +25,10 @@ done = os.fdopen({ready_fd}, "w")
 # row 1: complete; row 2: complete, then rewritten and killed inside the write
 for row, n in ((1, 5), (2, 7)):
     j.begin([row]); j.tokens[row, :n] = range(100 * row, 100 * row + n)
-    j.meta[[row], jr.M_COMMITTED] = n; j.meta[[row], jr.M_WRITTEN] = n; j.meta[[row], jr.M_VERSION] = 3
-    j.end([row])
+    j.publish([row], [n], 3)
 j.begin([2]); j.tokens[2, 7:9] = [-1, -1]; j.meta[[2], jr.M_COMMITTED] = 9
+if {stage!r} == "invalidate":
+    j.meta[[2], jr.M_WRITTEN] = 0; j.begin([2])  # inside an invalidation instead
 done.write("inside\n"); done.flush()
 sys.stdin.readline()  # killed here, between begin and end
 """
@@ -40,26 +41,39 @@ def journal(tmp_path):
     j.close()
 
 
-def test_a_row_its_writer_died_inside_is_never_adopted(journal, tmp_path):
+def _kill_inside(journal, stage: str) -> None:
     read_fd, ready_fd = os.pipe()
-    code = WRITER.format(hooks=str(HOOKS), path=journal.path, ready_fd=ready_fd)
+    code = WRITER.format(hooks=str(HOOKS), path=journal.path, ready_fd=ready_fd, stage=stage)
     writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, pass_fds=(ready_fd,))
     os.close(ready_fd)
     with os.fdopen(read_fd) as ready:
         assert ready.readline() == "inside\n"  # the writer is between begin and end of row 2
     os.kill(writer.pid, signal.SIGKILL)
     assert writer.wait(30) == -signal.SIGKILL
+
+
+def test_a_row_its_writer_died_inside_counts_up_to_its_write_before(journal):
+    """The client may see a token before the row that holds it is journaled (SGLang streams
+    it first): a row cut by the kill keeps what its previous write published, never the
+    positions the dying write was appending."""
+    _kill_inside(journal, "append")
     rows = journal.stable_rows()
-    assert rows == [(1, 5, 3)], rows  # row 2 was being written at the kill: skipped, whatever it holds
-    seq = int(journal.meta[1, jr.M_SEQ])
-    assert journal.row_tokens(1, 5, seq).tolist() == [100, 101, 102, 103, 104]
+    assert rows == [(1, 5, 3), (2, 7, 3)], rows
+    assert journal.cut_rows() == 1
+    for row, n in ((1, 5), (2, 7)):
+        seq = int(journal.meta[row, jr.M_SEQ])
+        assert journal.row_tokens(row, n, seq).tolist() == list(range(100 * row, 100 * row + n))
+
+
+def test_a_row_its_writer_died_inside_an_invalidation_is_never_adopted(journal):
+    _kill_inside(journal, "invalidate")
+    assert journal.stable_rows() == [(1, 5, 3)]
 
 
 def test_a_row_changed_while_copied_is_refused(journal):
     journal.begin([1])
     journal.tokens[1, :3] = [7, 8, 9]
-    journal.meta[[1], jr.M_COMMITTED] = 3
-    journal.end([1])
+    journal.publish([1], [3], 3)
     seq = int(journal.meta[1, jr.M_SEQ])
     journal.invalidate([1])  # freed (and maybe rewritten) after the reader took seq
     assert journal.row_tokens(1, 3, seq) is None
@@ -69,8 +83,7 @@ def test_a_row_changed_while_copied_is_refused(journal):
 def test_freed_rows_are_invalidated_and_a_cleared_pool_has_no_rows(journal):
     for row in (1, 2, 3):
         journal.begin([row])
-        journal.meta[[row], jr.M_COMMITTED] = row
-        journal.end([row])
+        journal.publish([row], [row], 3)
     journal.invalidate([2])
     assert [r for r, _, _ in journal.stable_rows()] == [1, 3]
     journal.invalidate(slice(None))

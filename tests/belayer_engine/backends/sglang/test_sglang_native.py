@@ -70,8 +70,9 @@ def servers(bare, tmp_path_factory):
     router = RouterConfig(request_wait_s=START_S, stall_timeout_s=60.0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BELAYER_SHM_DIR", str(tmp_path_factory.mktemp("shm")))
+        # the run dir under pytest's basetemp: the servers' logs outlive a failure
         with RecoverableEngine.launch(backend="sglang", sglang_venv=sglang_venv(), start_timeout_s=START_S,
-                                      router=router) as eng:
+                                      router=router, run_dir=str(tmp_path_factory.mktemp("engine"))) as eng:
             eng.wait_ready(timeout=START_S)
             poll(lambda: proc.poll() is None and call(url, "GET", "/health", timeout=5)[0] == 200, START_S,
                  "the bare SGLang server to answer /health")
