@@ -4,12 +4,9 @@ Workers come and go (crash, SIGKILL, handover); the memory stays here. A Unix so
 (mode 0600, same-uid peers only) carries JSON-line requests: ``describe``, ``health``,
 ``checksums``, ``update_weights``, ``shutdown`` and a persistent ``attach`` per worker.
 
-Weight versions are double-buffered: a new version is written into the slot nobody
-serves, published (version + 1), pushed to every attached worker, and ``update_weights``
-returns only when each live worker has confirmed it switched. The slot being overwritten
-is always one no worker uses (the update first waits until all of them confirmed the
-current version), so no copy happens in workers and no stale version is served after
-``update_weights`` returns. Attached workers and the live-KV lease: ``attachments.py``.
+Weight versions are double-buffered and confirmed by every attached worker before
+``update_weights`` returns (``versions.py``). Attached workers and the live-KV lease:
+``attachments.py``.
 
 Backends whose workers speak another protocol hand the arena ``exports`` (``exports.py``:
 SGLang's weight cache and KV pool, built by ``belayer_engine.backends.sglang.arena``).
@@ -32,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from belayer_core.errors import ArenaLost, BelayerError, UsageError, WorkerLost
+from belayer_core.errors import ArenaLost, BelayerError, UsageError
 from belayer_engine.arena import memory as mem
 from belayer_engine.arena import protocol as proto
 from belayer_engine.arena.attachments import Attachments
@@ -41,13 +38,15 @@ from belayer_engine.arena.cuda_limits import set_thread_stack
 from belayer_engine.arena.device_check import check_device
 from belayer_engine.arena.exports import ArenaExport, ExportContext, ExportFactory
 from belayer_engine.arena.payload import read_update
+from belayer_engine.arena.versions import WeightVersions
 from belayer_engine.common import owner
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import init_weights, load_safetensors_dir, torch_dtype
 
 
-class ArenaServer:
-    """Allocates the regions, answers the control socket, runs weight-version updates."""
+class ArenaServer(WeightVersions):
+    """Allocates the regions and answers the control socket; weight-version updates are
+    ``WeightVersions`` (``versions.py``)."""
 
     def __init__(self, cfg: ArenaConfig, exports: Sequence[ExportFactory] = ()):
         self.cfg = cfg
@@ -127,71 +126,6 @@ class ArenaServer:
         out["kv"] = mem.checksum(kv[:, :, : self.cfg.num_blocks].contiguous().view(-1))
         out["scratch"] = mem.checksum(kv[:, :, self.cfg.num_blocks :].contiguous().view(-1))
         return out
-
-    # ------------------------------------------------------------------ weight updates
-    def update_weights(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> int:
-        """Write a new version into the free slot, publish it, wait for every worker.
-
-        ``version``: the number to publish (default: current + 1). An engine spread over
-        several arenas (``belayer_engine.ray``) gives a fresh arena its engine-wide version
-        in one update, so every slot reports the same number for the same weights.
-        """
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise UsageError(f"version must be an int, got {version!r}")
-        if not self.slots:
-            return self._update_weight_cache_only(tensors, version)
-        for name, t in tensors.items():
-            if name not in self.layout:
-                raise UsageError(f"unknown weight {name!r}")
-            if list(t.shape) != self.layout[name][1]:
-                raise UsageError(f"{name}: shape {list(t.shape)} != {self.layout[name][1]}")
-        with self.update_lock:
-            with self.cond:
-                if not self.cond.wait_for(lambda: self.links.all_on(self.version),
-                                          self.cfg.ack_timeout_s):
-                    raise WorkerLost(f"workers still serve an older version: "
-                                     f"{self.links.laggards(self.version)}")
-                if version is not None and version <= self.version:
-                    raise UsageError(f"version {version} is not newer than the current {self.version}")
-                staging = 1 - self.slot
-            names = ("w0", "w1")
-            self.regions[names[staging]].copy_(self.regions[names[self.slot]])
-            for name, t in tensors.items():
-                self.slots[staging][name].copy_(t)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            with self.cond:
-                self.version = self.version + 1 if version is None else version
-                self.slot = staging
-                version = self.version
-                self.links.push_all({"event": "version", "version": version, "slot": staging})
-                if not self.cond.wait_for(lambda: self.links.all_on(version), self.cfg.ack_timeout_s):
-                    raise WorkerLost(f"version {version} published but not confirmed by "
-                                     f"{self.links.laggards(version)}")
-            self._update_exports(tensors, version)
-        return version
-
-    def _update_exports(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        for export in self.exports:  # in place, their servers paused meanwhile
-            if export.holds_weights:
-                export.update_weights(tensors, version)
-        for export in self.exports:
-            export.on_version(version)
-
-    def _update_weight_cache_only(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
-        """No reference slots: an export's weights are the only copy; written in place while
-        every server mapping them is paused (e.g. ``WeightCacheExport.update_weights``)."""
-        for export in self.exports:
-            if export.holds_weights:
-                export.check_weights(tensors)
-        with self.update_lock:
-            with self.cond:
-                if version is not None and version <= self.version:
-                    raise UsageError(f"version {version} is not newer than the current {self.version}")
-                self.version = self.version + 1 if version is None else version
-                version = self.version
-            self._update_exports(tensors, version)
-        return version
 
     def export_op(self, op: str, msg: dict) -> dict | None:
         """An op an export answers (under the update lock: no weight update meanwhile), or None."""

@@ -31,11 +31,13 @@ from belayer_core.errors import WorkerLost
 from belayer_engine.common import worker_auth
 from belayer_engine.common.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
+from belayer_engine.supervisor.detection import Detection
 from belayer_engine.supervisor.fork_template import template_supported
 from belayer_engine.supervisor.handover import Handover
 from belayer_engine.supervisor.processes import Proc, fence, stop_gracefully
 from belayer_engine.supervisor.run_dir import private_run_dir, temp_run_dir
 from belayer_engine.supervisor.slot import Slot, SlotProcesses, started_for
+from belayer_engine.supervisor.status import StatusViews
 from belayer_engine.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,13 @@ __all__ = ["Supervisor", "private_run_dir"]
 _REARM_DELAY_S = 0.02  # a new shadow is spawned this long after a handover (off the critical path)
 
 
-class Supervisor(Handover):
+class Supervisor(Detection, Handover, StatusViews):
     """Owns the processes of every slot; feeds the router's ``RoutingTable``.
 
-    Its roles live in three modules: this one (lifecycle, views, spawning, detection),
-    ``handover.py`` (every recovery decision); engine-wide weights are ``weights.sync.WeightSync``,
-    held here as ``weight_sync``.
+    Its roles live in four modules: this one (lifecycle and spawning), ``detection.py`` (how
+    a failure is noticed), ``handover.py`` (every recovery decision), ``status.py`` (status,
+    events, waits); engine-wide weights are ``weights.sync.WeightSync``, held here as
+    ``weight_sync``.
     """
 
     def __init__(self, config: SupervisorConfig, table: RoutingTable, worker_secret: str | None = None) -> None:
@@ -156,77 +159,7 @@ class Supervisor(Handover):
         if self._tmp:
             self._tmp.cleanup()
 
-    # ------------------------------------------------------------------ views and waits
-
-    def status(self) -> dict:
-        return {
-            "slots": {
-                s.name: {
-                    "device": s.device,
-                    "worker_pid": s.worker.pid if s.worker else None,
-                    "worker_url": s.worker.url if s.worker else None,
-                    "shadow_pid": s.shadow.pid if s.shadow else None,
-                    "arena_pid": s.arena.pid if s.arena else None,
-                    "routed": s.endpoint is not None,
-                    "shadow_ready": s.shadow is not None,
-                    "excluded": s.excluded,
-                    "handovers": s.handovers,
-                    "cold_starts": s.cold_starts,
-                }
-                for s in self.slots
-            },
-            "events": self.events[-200:],
-        }
-
-    def _settled(self, stable: bool) -> bool:
-        now = time.monotonic()
-        for s in self.slots:
-            if s.excluded:
-                continue
-            if s.lock.locked() or s.endpoint is None or (self.config.shadow and s.shadow is None):
-                return False
-            if stable and s.promoted_at is not None and now - s.promoted_at < self.config.unhealthy_window_s:
-                return False
-        return True
-
-    async def wait_ready(self, timeout: float, stable: bool = False) -> None:
-        """Wait until every usable slot serves and has a shadow armed.
-
-        ``stable`` also waits out the unhealthy window, so that the next failure is
-        treated as a fresh one rather than as a repeated failure of the device.
-        """
-        await self._wait(lambda: self._settled(stable), timeout, lambda: f"engine not ready: {self.status()['slots']}")
-
-    async def wait_event(self, kind: str, since: float, timeout: float) -> dict:
-        """The first event ``kind`` at or after monotonic time ``since`` (bounded wait)."""
-        def find():
-            return next((e for e in self.events if e["event"] == kind and e["t"] >= since), None)
-
-        return await self._wait(find, timeout, lambda: f"no {kind!r} event; last events: {self.events[-5:]}")
-
-    async def _wait(self, predicate, timeout: float, failure):
-        deadline = time.monotonic() + timeout
-        async with self._changed:
-            while not (value := predicate()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WorkerLost(f"after {timeout:.0f}s: {failure()}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), min(left, 0.2))
-            return value
-
     # ------------------------------------------------------------------ plumbing
-
-    def _event(self, slot: Slot, kind: str, **extra) -> None:
-        self._engine_event(kind, slot=slot.name, **extra)
-
-    def _engine_event(self, kind: str, slot: str | None = None, **extra) -> None:
-        self.events.append({"t": time.monotonic(), "wall": time.time(), "slot": slot, "event": kind, **extra})
-        self._spawn_task(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
 
     def _spawn_task(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -282,47 +215,3 @@ class Supervisor(Handover):
         slot.probe_failures = 0
         await self.table.put_in_service(slot.endpoint)
         self._event(slot, "routed", pid=proc.pid)
-
-    # ------------------------------------------------------------------ detection
-
-    def _watch(self, slot: Slot, proc: Proc) -> None:
-        async def watch() -> None:
-            code = await proc.process.wait()
-            if proc.fenced or self._stopping:
-                return
-            if proc is slot.worker:
-                await self._handle_worker_failure(slot, proc, "exit", f"worker exited with {code}")
-            elif proc is slot.arena:
-                await self._handle_arena_failure(slot, proc, f"arena exited with {code}")
-            elif proc is slot.shadow:
-                slot.shadow = None
-                self._event(slot, "shadow_lost", code=code)
-                with contextlib.suppress(WorkerLost):  # what it started goes with it
-                    await fence(proc, self.config.fence_timeout_s)
-                    await self._procs.reaped(proc)
-                self._rearm(slot)
-
-        self._spawn_task(watch())
-
-    def _on_router_failure(self, endpoint: Endpoint, reason: str) -> None:
-        for slot in self.slots:
-            if slot.endpoint is endpoint and slot.worker is not None:
-                self._spawn_task(self._handle_worker_failure(slot, slot.worker, "router", reason))
-
-    async def _health_loop(self) -> None:
-        """Catches stalls of idle workers (busy ones are caught by the router's stall timeout)."""
-        cfg = self.config
-        assert self._procs is not None
-        while True:
-            await asyncio.sleep(cfg.health_interval_s)
-            for slot in self.slots:
-                proc = slot.worker
-                if proc is None or slot.lock.locked() or not proc.alive:
-                    continue
-                if slot.endpoint is not None and slot.endpoint.inflight:
-                    slot.probe_failures = 0  # busy: the router's stall detection, which sees its progress, judges it
-                    continue
-                ok = await self._procs.healthy(proc)
-                slot.probe_failures = 0 if ok else slot.probe_failures + 1
-                if slot.probe_failures >= cfg.health_failures and proc is slot.worker:
-                    self._spawn_task(self._handle_worker_failure(slot, proc, "health", "health probes failed"))

@@ -13,6 +13,8 @@ finishes that request alone with an ``abort`` carrying ``status_code`` (SGLang's
 400 for bad input, 500 otherwise) and frees its blocks; the rest of the batch goes on. When
 a batched forward call fails, each request's rows are re-run alone (rewriting the same KV
 positions), so only the request that breaks it is failed.
+
+A request and its blocks are ``request.py``; a step's logits (CUDA graphs or eager) ``forward.py``.
 """
 
 from __future__ import annotations
@@ -23,59 +25,17 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from belayer_core.errors import UsageError
-from belayer_engine.backends.reference.model import Qwen3Model, SeqBatch
-from belayer_engine.backends.reference.sampling import (
-    SamplingError,
-    SamplingParams,
-    sample,
-    token_logprobs,
-)
+from belayer_engine.backends.reference.forward import eager_logits, graph_logits
+from belayer_engine.backends.reference.model import Qwen3Model
+from belayer_engine.backends.reference.request import BlockAllocator, Request
+from belayer_engine.backends.reference.sampling import SamplingError, sample, token_logprobs
 from belayer_engine.model.tokenizer import Tokenizer
 
-
-@dataclass(eq=False)
-class Request:
-    """A generation in flight. ``emit`` is called from the engine thread with each update."""
-
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    emit: Callable[[dict], None]
-    output: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    finish_reason: dict | None = None
-    version_start: int | None = None
-    generator: torch.Generator | None = None
-    created: float = field(default_factory=time.time)
-    # SGLang's return_logprob / top_logprobs_num: None when not asked (no work per step)
-    logprobs: list[float] | None = None
-    top_logprobs_num: int = 0
-    top_logprobs: list[list[tuple[float, int]]] | None = None
-    logprob_texts: dict[int, str] | None = None  # the worker's decode cache (return_text_in_logprobs)
-
-
-class BlockAllocator:
-    """Free list of KV block ids. Metadata only: flushing it is the 'logical KV flush'."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.free = list(range(num_blocks - 1, -1, -1))
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
-        return [self.free.pop() for _ in range(n)]
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
-
-    def reset(self) -> None:
-        self.free = list(range(self.num_blocks - 1, -1, -1))
+__all__ = ["BatchScheduler", "BlockAllocator", "Request"]
 
 
 class BatchScheduler:
@@ -269,9 +229,9 @@ class BatchScheduler:
             return
         self.running.extend(new)
         try:
-            logits = self._graph_step(batch, new)
+            logits = graph_logits(self.graphs, batch, new)
             if logits is None:
-                logits = self._eager(batch, new)
+                logits = eager_logits(self.model, self.kv, batch, new)
             rows = list(zip(batch, logits, strict=True))
         except Exception:
             traceback.print_exc(file=sys.stderr)
@@ -302,45 +262,10 @@ class BatchScheduler:
         rows = []
         for r in batch:
             try:
-                rows.append((r, self._eager([r], [r] if any(r is n for n in new) else [])[0]))
+                rows.append((r, eager_logits(self.model, self.kv, [r], [r] if any(r is n for n in new) else [])[0]))
             except Exception as exc:
                 self._fail(r, exc)
         return rows
-
-    def _graph_step(self, batch: list[Request], new: list[Request]) -> torch.Tensor | None:
-        """Logits of one step from CUDA graphs: the decode graph for the running requests and
-        one prefill graph per new request (``batch`` is running + new, in that order); None
-        when some shape is not covered, and the eager path runs the whole step instead."""
-        if self.graphs is None or not all(self.graphs.fits_prefill(len(r.prompt)) for r in new):
-            return None
-        parts = []
-        if len(batch) > len(new):
-            decoded = self._graph_decode(batch[: len(batch) - len(new)])
-            if decoded is None:
-                return None
-            parts.append(decoded.clone())  # graphs share a memory pool: copy before the next replay
-        parts += [self.graphs.run_prefill(r.prompt, r.blocks) for r in new]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _graph_decode(self, batch: list[Request]) -> torch.Tensor | None:
-        if self.graphs is None:
-            return None
-        ctx = [len(r.prompt) + len(r.output) for r in batch]
-        if not self.graphs.fits(len(batch), max(ctx)):
-            return None
-        return self.graphs.run([r.output[-1] for r in batch], [c - 1 for c in ctx],
-                               [r.blocks for r in batch], ctx)
-
-    def _eager(self, batch: list[Request], new: list[Request]) -> torch.Tensor:
-        ids, pos, seqs = [], [], []
-        for r in batch:
-            ctx = len(r.prompt) + len(r.output)
-            rows = r.prompt if r in new else [r.output[-1]]
-            first = ctx - len(rows)
-            seqs.append(SeqBatch(len(ids), len(ids) + len(rows), ctx, r.blocks))
-            ids.extend(rows)
-            pos.extend(range(first, ctx))
-        return self.model.forward(torch.tensor(ids), torch.tensor(pos), seqs, self.kv)
 
     def _stop_reason(self, r: Request, tok: int) -> dict | None:
         p = r.params
