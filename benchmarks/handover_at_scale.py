@@ -187,7 +187,9 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             engine.wait_ready(timeout=900, stable=True)
             killed = asyncio.run(run_cell(engine, prompts, args.max_new, args.kill_after))
             engine.wait_ready(timeout=900, stable=True)
-            handover = [e for e in engine.events() if e["event"] == "handover"][-1]
+            events = engine.events()
+            handover = [e for e in events if e["event"] == "handover"][-1]
+            detected = max(i for i, e in enumerate(events) if e["event"] == "detected")
             per = [{"next_token_s": k["next_token_s"], "at_kill": k["at_kill"], "at_failure": k["at_failure"],
                     "first_diff": _first_diff(k["ids"], r["ids"]),
                     "adopted_tokens": (k["meta"].get("belayer") or {}).get("adopted_tokens"),
@@ -197,6 +199,8 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             entry["cells"][f"{context}x{inflight}"] = {
                 "context": context, "inflight": inflight, "next_token_s": _stats([p["next_token_s"] for p in per]),
                 "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
+                "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
+                           for e in events[detected:detected + 12]],  # detection, fence, promotion, routing
                 "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
             print(f"{mode} {context}x{inflight}: next token p50 {entry['cells'][f'{context}x{inflight}']['next_token_s']}"
                   f", identical {entry['cells'][f'{context}x{inflight}']['identical']}/{inflight}", flush=True)

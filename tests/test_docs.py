@@ -110,7 +110,7 @@ def test_modules_the_docs_name_by_a_short_path_exist() -> None:
 DOTTED = re.compile(r"`((?:belayer_core|belayer_env|belayer_engine|belayer)(?:\.\w+)+)")
 # not modules: a response's `belayer` extension (`belayer.recoveries`) and container labels (`belayer.sandbox=`)
 NOT_MODULES = {"belayer.weight_version", "belayer.recoveries", "belayer.choices", "belayer.diverged",
-               "belayer.sandbox", "belayer.shared", "belayer.yaml"}  # ... and slime's config file
+               "belayer.sandbox", "belayer.shared", "belayer.yaml", "belayer.adopted_tokens"}  # ... and slime's config file
 
 
 def _defined_in_source(module: str, attr: str) -> bool:

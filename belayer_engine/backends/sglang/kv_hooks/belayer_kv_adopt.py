@@ -72,7 +72,9 @@ def _adopt(scheduler, source_sid: str) -> None:
         if S.source is None:
             raise RuntimeError(f"the arena knows no server {source_sid!r}")
         S.source_journal = jr.open_journal(S.source["journal"])
-    src, table = S.source_journal, arena.tensor(S.source["table_handle"])
+        S.source_table = arena.tensor(S.source["table_handle"])
+    src, table = S.source_journal, S.source_table
+    t_source = time.perf_counter()
     if scheduler.tree_cache.evictable_size() or scheduler.tree_cache.protected_size():
         scheduler.flush_cache()  # an idle shadow keeps nothing of its own (registration flushed its warm-up)
     device = S.allocator.device
@@ -107,6 +109,7 @@ def _adopt(scheduler, source_sid: str) -> None:
         touched.append(idx)
         rows_ok += 1
         tokens += committed
+    t_rows = time.perf_counter()
     held = torch.unique(torch.cat(in_tree)) if in_tree else old_reserve[:0]
     everything = torch.unique(torch.cat(touched)) if touched else old_reserve[:0]
     own = slots.choose_reserve(S.rows, S.reserve, old_reserve, everything, device)
@@ -115,6 +118,10 @@ def _adopt(scheduler, source_sid: str) -> None:
     apply_plan(S.allocator, slots.promoted_plan(S.rows, old_reserve, held, own, device, source_reaped))
     S.allocator.release_pages = S.allocator.free_pages[:0].clone()
     S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [rows_ok, tokens]
+    t_plan = time.perf_counter()
     arena.call("kv_promoted", sid=S.sid, predecessor=source_sid)
+    t_end = time.perf_counter()
+    ms = {"source": t_source - t0, "rows": t_rows - t_source, "plan": t_plan - t_rows, "arena": t_end - t_plan}
     say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.numel()} slots) from {source_sid}, "
-        f"{cut} cut to their write before the kill, skipped {skipped}, in {1e3 * (time.perf_counter() - t0):.1f} ms")
+        f"{cut} cut to their write before the kill, skipped {skipped}, in {1e3 * (t_end - t0):.1f} ms "
+        f"({', '.join(f'{k} {1e3 * v:.1f}' for k, v in ms.items())})")

@@ -118,8 +118,9 @@ def _attach(kv) -> None:
     S.attached, S.rows, S.reserve = reply, int(spec["rows"]), int(reply["reserve_tokens"])
     S.journal = jr.open_journal(reply["journal"])
     S.source = reply.get("predecessor")
-    if S.source:
+    if S.source:  # a shadow maps what it may adopt now, not at the failure
         S.source_journal = jr.open_journal(S.source["journal"])
+        S.source_table = arena.tensor(S.source["table_handle"])
     say(f"{S.role} {S.sid}: KV pool of {spec['rows'] - 1} slots ({spec['nbytes'] / 2**20:.0f} MiB) in the arena, "
          f"reserve {S.reserve}, follows {S.source['sid'] if S.source else None}")
 

@@ -17,6 +17,7 @@ class _State:
     journal: jr.Journal | None = None
     source: dict | None = None  # the worker this server follows (shadow) or took over from
     source_journal: jr.Journal | None = None
+    source_table: object = None  # the source's request-to-token table, mapped once (CUDA IPC costs ms)
     r2t = None  # this server's ReqToTokenPool
     allocator = None
     rows = 0
