@@ -6,5 +6,7 @@ project's packages). TRL's ``GRPOTrainer`` trains the embedded HF-layout model o
 its ``rollout_func`` runs every sample as a multi-turn episode in a
 ``RecoverableSandboxEnv`` against a ``RecoverableEngine``; the weights go to the engine
 after every optimizer step; containers are SIGKILLed while the model generates and the
-serving worker is SIGKILLed mid-generation. ``docs/training.md`` has the figures.
+serving worker is SIGKILLed mid-generation. ``--mode environment_factory`` runs the same
+through TRL's own tool-calling loop (``environment.py``, ``trainer.py``). ``docs/training.md``
+has the figures.
 """

@@ -80,6 +80,7 @@ class Sample:
     failed: str | None = None  # the infrastructure policy dropped it: no reward, its group goes too
     fresh_sandbox_retries: int = 0
     beyond_recovery: int = 0  # planned kills whose restores were made to fail
+    tool_calls: int = 0  # environment_factory: the ``bash`` calls TRL's tool loop ran in the sandbox
     seconds: float = 0.0
 
 

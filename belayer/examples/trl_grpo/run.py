@@ -31,7 +31,7 @@ from belayer.wrappers.infra_policy import drop_mask
 
 from .episode import EpisodeConfig, Plan, Sample, run_episode
 from .tasks import BY_PROMPT, TASKS
-from .warmstart import warm_start
+from .warmstart import expert_ids, expert_sequence, warm_start
 
 SETUP_HINT = ("TRL runs from its own venv: `bash scripts/setup_trl.sh` (part of `bash scripts/setup.sh`), "
               "then `/opt/belayer/trl-venv/bin/python -m belayer.examples.trl_grpo`")
@@ -51,6 +51,11 @@ class RunConfig:
     parallel: int = 4
     threads: int = 1
     seed: int = 0
+    tasks: int = len(TASKS)
+    """The first this many tasks make the dataset (and the warm start's expert sequences)."""
+    mode: str = "rollout_func"
+    """``rollout_func`` (the rollouts are Belayer episodes) or ``environment_factory`` (TRL's own
+    tool-calling loop over a ``SandboxEnvironment``, the engine generating: ``trainer.py``)."""
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
 
 
@@ -157,11 +162,12 @@ def run(cfg: RunConfig, log=print) -> dict:
         engine.wait_ready(stable=True)
         log(f"engine ready at {engine.base_url} ({time.monotonic() - t_start:.1f}s)")
         weights = EngineWeights(engine.weights_socket)
-        sft = warm_start(model, codec, TASKS, cfg.sft_steps, cfg.sft_lr, pad_id) if cfg.sft_steps else []
+        env_mode = cfg.mode == "environment_factory"
         rollouts = Rollouts(cfg, engine, codec, log)
-        rollouts.version = weights.update_weights({n: t.detach() for n, t in model.state_dict().items() if n in names})
-        log(f"warm start: {len(sft)} steps, loss {sft[0] if sft else '-'} -> {sft[-1] if sft else '-'}; "
-            f"engine serves version {rollouts.version}")
+        if env_mode:  # TRL's tool-calling loop over SandboxEnvironment; the engine generates (trainer.py)
+            from .trainer import EnvRollouts, environment_trainer, tool_setup
+
+            rollouts = EnvRollouts(cfg, rollouts.plan, log)
         pusher = push_weights_callback(weights, names, rollouts, log)
         batch = cfg.prompts_per_step * cfg.group_size
         with tempfile.TemporaryDirectory(prefix="belayer-trl-") as out:
@@ -170,12 +176,35 @@ def run(cfg: RunConfig, log=print) -> dict:
                 gradient_accumulation_steps=1, max_steps=cfg.steps, learning_rate=cfg.lr,
                 temperature=cfg.episode.temperature, beta=0.0, logging_steps=1, report_to="none",
                 save_strategy="no", use_cpu=True, seed=cfg.seed, dataloader_num_workers=0,
-                disable_tqdm=True, lr_scheduler_type="constant")
-            trainer = GRPOTrainer(
-                model=model, args=args, processing_class=_tokenizer(model_dir), reward_funcs=[env_reward],
-                train_dataset=Dataset.from_list([{"prompt": t.prompt} for t in TASKS]),
-                rollout_func=rollouts, callbacks=[pusher])
-            trainer.train()
+                disable_tqdm=True, lr_scheduler_type="constant",
+                **({"max_completion_length": (cfg.episode.turns + 1) * (cfg.episode.max_new_tokens + 128),
+                    "max_tool_calling_iterations": cfg.episode.turns} if env_mode else {}))
+            # TRL's tool loop parses tool calls only from conversational prompts
+            dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t.prompt}] if env_mode else t.prompt}
+                                         for t in TASKS[: cfg.tasks]])
+            tokenizer = _tokenizer(model_dir)
+            if env_mode:
+                tools, template = tool_setup(tokenizer, cfg.episode, rollouts.plans)
+                seqs = [expert_ids(tokenizer, t, tools, template) for t in TASKS[: cfg.tasks]]
+            else:
+                seqs = [expert_sequence(t, codec) for t in TASKS[: cfg.tasks]]
+            sft = warm_start(model, seqs, cfg.sft_steps, cfg.sft_lr, pad_id) if cfg.sft_steps else []
+            rollouts.version = weights.update_weights(
+                {n: t.detach() for n, t in model.state_dict().items() if n in names})
+            log(f"warm start: {len(sft)} steps, loss {sft[0] if sft else '-'} -> {sft[-1] if sft else '-'}; "
+                f"engine serves version {rollouts.version}")
+            if env_mode:
+                trainer = environment_trainer(model, args, tokenizer, dataset, engine, cfg, rollouts, pusher)
+            else:
+                trainer = GRPOTrainer(
+                    model=model, args=args, processing_class=tokenizer, reward_funcs=[env_reward],
+                    train_dataset=dataset, rollout_func=rollouts, callbacks=[pusher])
+            try:
+                trainer.train()
+            finally:
+                for pool in (getattr(trainer, "_environment_pool", None) or {}).values():
+                    for env in pool:
+                        env._close()
             history = list(trainer.state.log_history)
         final_version = weights.version()
         engine_events = engine.events()
@@ -223,6 +252,8 @@ def summarize(cfg: RunConfig, rollouts: Rollouts, pushes: list[dict], history: l
         "turns_rolled_back": sum(s.rolled_back_turns for s in trained),
         "generations_continued": sum(s.worker_recoveries for s in trained),
         "killed_generations_continued": sum(s.killed_generation_recovered for s in trained),
+        **({"tool_calls": sum(s.tool_calls for s in everything), "trl_received": rollouts.received}
+           if cfg.mode == "environment_factory" else {}),
         "engine_handovers": handovers,
         "weight_pushes": pushes, "engine_weight_version": final_version,
         "sample_versions_by_step": {str(k): sorted({v for st, v, _ in rollouts.samples if st == k}) for k in by_step},
