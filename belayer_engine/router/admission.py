@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import weakref
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -98,6 +98,7 @@ class Admission:
         self.info_timeout_s = info_timeout_s
         self.waiting = 0  # generations queued here now
         self._loads: weakref.WeakKeyDictionary[Endpoint, _Load] = weakref.WeakKeyDictionary()
+        self._slot_capacity: dict[str, Capacity] = {}  # last read per slot: what its successor runs
         self._groups: OrderedDict[object, deque[_Waiter]] = OrderedDict()
         self._ticker: asyncio.Task | None = None
 
@@ -118,7 +119,7 @@ class Admission:
         """An endpoint with room for ``tokens`` (reserved until ``leave``); waits here, in
         ``group``'s turn, while none has room; ``timeout`` bounds the wait for a live worker."""
         await self.table.acquire(timeout)  # a live worker, or WorkerLost / DeviceUnhealthy as before
-        await asyncio.gather(*(self._learn(e) for e in self._live()))
+        await asyncio.gather(*(task for e in self._live() if (task := self._learn(e)) is not None))
         self._refuse_oversized(tokens)
         waiter = _Waiter(tokens, asyncio.get_running_loop().create_future())
         self._groups.setdefault(group, deque()).append(waiter)
@@ -158,12 +159,19 @@ class Admission:
     def _live(self) -> list[Endpoint]:
         return [e for e in self.table.endpoints() if not e.lost]
 
-    def _learn(self, endpoint: Endpoint) -> asyncio.Task:
+    def _learn(self, endpoint: Endpoint) -> asyncio.Task | None:
+        """The read of ``endpoint``'s capacity to wait for; None once it is known. A promoted
+        shadow is started with its slot's flags: it is sent work at once on what the slot's
+        last worker said (its own answer, read meanwhile, replaces that): a ``/get_server_info``
+        round trip through a server just promoted is not on a recovery's path."""
         load = self._loads.get(endpoint)
         if load is None:
             load = self._loads[endpoint] = _Load()
+            known = self._slot_capacity.get(endpoint.slot)
+            if known is not None:
+                load.capacity = replace(known)
             load.learning = asyncio.create_task(self._read_capacity(endpoint, load))
-        return load.learning
+        return load.learning if load.capacity is None else None
 
     async def _read_capacity(self, endpoint: Endpoint, load: _Load) -> None:
         capacity = Capacity()  # a worker that does not say is not limited
@@ -174,6 +182,7 @@ class Admission:
                     info = await resp.json(content_type=None)
                     if isinstance(info, dict):
                         capacity = capacity_of(info)
+        self._slot_capacity[endpoint.slot] = replace(capacity)
         load.capacity = capacity
         self._grant()
 
