@@ -190,6 +190,10 @@ def test_a_line_written_into_the_inits_fifo_grows_nothing(docker_client):
     sb = DockerSandbox(client=docker_client)
     try:
         pid = docker_client.api.inspect_container(sb.container_id)["State"]["Pid"]
+        # measured from the moment the init blocks in its read of fd 3 (its FIFO): bash still
+        # starting up on a loaded machine would count its own start as growth
+        wait_until(lambda: Path(f"/proc/{pid}/syscall").read_text().split()[:2] == ["0", "0x3"], 60,
+                   "the init to block reading its FIFO")
         before = _rss_kib(pid)
         r = sb.execute("head -c 1048576 /dev/zero | tr '\\0' a > /run/belayer/.init && echo written", timeout=120)
         assert r["output"].strip() == "written", r
