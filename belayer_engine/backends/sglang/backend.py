@@ -41,6 +41,7 @@ from .sizing import GPU_RUNNING, context_default, flag_value, is_cpu, kv_plan, k
 log = logging.getLogger(__name__)
 
 WARMUP_PROMPT_LENS = (16, 256)  # token ids of two warm-up prompts (prefill kernels at two sizes)
+WARMUP_ADOPTED = 4  # then this many one-id extensions of the cached 256 at once (an adoption's continuation)
 # Prefill CUDA graphs of a shadow, up to this many tokens. On an H200 (4B shape, resident KV):
 # 1,504 MiB with 256, 1,444 with 128, 1,422 with 64, 1,288 without; a 96-id prefill 16-33 ms
 # with graphs of >= 128 tokens, 46-67 ms with fewer or none (benchmarks/results/sglang_server_memory_h200_expandable.json).
@@ -189,21 +190,28 @@ class SGLangBackend:
         return await asyncio.to_thread(client.register_server, url, role, 0, session.headers.get("Authorization"))
 
     async def _warm_up(self, session, url: str, timeout: float = 300) -> None:
-        """Two short greedy requests on an unrouted shadow: the kernels of its first real
-        request (a re-prefill) are then loaded and compiled already. Its own KV only."""
+        """Short greedy requests on an unrouted shadow: the kernels of its first real requests
+        are then loaded and compiled already. Its own KV only. Two prompts (a re-prefill), then
+        a few requests that extend a cached prompt by one id at once: what an adopted request's
+        continuation runs (a prefix-cache hit of all but its newest id)."""
+        prompt = [1 + i % 200 for i in range(max(WARMUP_PROMPT_LENS))]
+        for n in WARMUP_PROMPT_LENS:
+            await self._warm_request(session, url, prompt[:n], timeout)
+        await asyncio.gather(*(self._warm_request(session, url, prompt + [201 + i], timeout)
+                               for i in range(WARMUP_ADOPTED)))
+
+    async def _warm_request(self, session, url: str, ids: list[int], timeout: float) -> None:
         import aiohttp
 
-        for n in WARMUP_PROMPT_LENS:
-            body = {"input_ids": [1 + i % 200 for i in range(n)], "stream": False,
-                    "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
-            try:
-                async with session.post(url + "/generate", json=body,
-                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                    if resp.status != 200:  # e.g. a context length under the prompt: warm what fits
-                        log.warning("%s: warm-up of %d tokens answered %d: %s", url, n, resp.status,
-                                    (await resp.text())[:200])
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                raise WorkerLost(f"{url} warm-up failed: {exc!r}") from exc
+        body = {"input_ids": ids, "stream": False,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        try:
+            async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:  # e.g. a context length under the prompt: warm what fits
+                    log.warning("%s: warm-up of %d tokens answered %d: %s", url, len(ids), resp.status,
+                                (await resp.text())[:200])
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise WorkerLost(f"{url} warm-up failed: {exc!r}") from exc
 
     async def ready(self, session, url: str, shadow: bool) -> bool:
         from belayer_engine.common.net import http_status
