@@ -15,7 +15,7 @@ def plot(result: dict, path: Path) -> None:
         return
     modes = [m for m, v in result["modes"].items() if v.get("cells")]
     cells = sorted({c for m in modes for c in result["modes"][m]["cells"]},
-                   key=lambda c: tuple(int(v) for v in c.split("x")))
+                   key=lambda c: tuple(int(v) for v in c.replace("@", "x").split("x")))
     if not modes or not cells:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cells) * len(modes) / 2), 4))
@@ -31,7 +31,7 @@ def plot(result: dict, path: Path) -> None:
         ax.bar(xs, p50, width, label=f"{mode} (p50)")
         ax.scatter(xs, top, marker="_", s=200, color="black")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))])
-    ax.set_xticklabels([c.replace("x", " tok x ") + " req" for c in cells], rotation=20, fontsize=8)
+    ax.set_xticklabels([c.replace("x", " tok x ").replace("@", " req, kill at ") + ("" if "@" in c else " req") for c in cells], rotation=20, fontsize=8)
     ax.set_ylabel("kill -> next token at the client (ms); tick: max")
     args = result["args"]
     tokens = (result.get("pool") or {}).get("kv_tokens") or 0

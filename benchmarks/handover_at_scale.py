@@ -69,7 +69,9 @@ async def _stream(session, base: str, ids: list[int], max_new: int, rec: dict) -
             rec["meta"] = data.get("meta_info", rec["meta"])
 
 
-async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: int | None) -> list[dict]:
+async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: int | None, kill=None) -> list[dict]:
+    """The prompts streamed at once; with ``kill_after``, ``kill()`` (default: SIGKILL the
+    serving server's process group) once every request has that many ids."""
     base = engine.base_url.removesuffix("/v1")
     recs = [{} for _ in prompts]
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -82,7 +84,10 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
                     raise RuntimeError("a request ended before the kill point")
                 await asyncio.sleep(0.002)
             t_kill = time.monotonic()
-            os.killpg(engine.worker_pid(0), signal.SIGKILL)
+            if kill is None:
+                os.killpg(engine.worker_pid(0), signal.SIGKILL)
+            else:
+                kill()
         await asyncio.gather(*tasks)
     for r in recs:
         r["t_kill"] = t_kill
@@ -185,26 +190,33 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(inflight)]
             reference = asyncio.run(run_cell(engine, prompts, args.max_new, None))
             engine.wait_ready(timeout=900, stable=True)
-            killed = asyncio.run(run_cell(engine, prompts, args.max_new, args.kill_after))
-            engine.wait_ready(timeout=900, stable=True)
-            events = engine.events()
-            handover = [e for e in events if e["event"] == "handover"][-1]
-            detected = max(i for i, e in enumerate(events) if e["event"] == "detected")
-            per = [{"next_token_s": k["next_token_s"], "at_kill": k["at_kill"], "at_failure": k["at_failure"],
-                    "first_diff": _first_diff(k["ids"], r["ids"]),
-                    "adopted_tokens": (k["meta"].get("belayer") or {}).get("adopted_tokens"),
-                    "reprefilled_tokens": (k["meta"].get("belayer") or {}).get("reprefilled_tokens"),
-                    "recoveries": (k["meta"].get("belayer") or {}).get("recoveries")}
-                   for k, r in zip(killed, reference, strict=True)]
-            entry["cells"][f"{context}x{inflight}"] = {
-                "context": context, "inflight": inflight, "next_token_s": _stats([p["next_token_s"] for p in per]),
-                "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
-                "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
-                           for e in events[detected:detected + 12]],  # detection, fence, promotion, routing
-                "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
-            print(f"{mode} {context}x{inflight}: next token p50 {entry['cells'][f'{context}x{inflight}']['next_token_s']}"
-                  f", identical {entry['cells'][f'{context}x{inflight}']['identical']}/{inflight}", flush=True)
+            for kill_after in args.kill_after:
+                key = f"{context}x{inflight}" + (f"@{kill_after}" if len(args.kill_after) > 1 else "")
+                entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen)
+                entry["cells"][key].update(context=context, inflight=inflight)
+                print(f"{mode} {key}: next token {entry['cells'][key]['next_token_s']}, "
+                      f"identical {entry['cells'][key]['identical']}/{inflight}", flush=True)
             save()
+
+
+def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen: set) -> dict:
+    """The cell's prompts again, the serving server SIGKILLed once each has ``kill_after`` ids."""
+    killed = asyncio.run(run_cell(engine, prompts, max_new, kill_after))
+    engine.wait_ready(timeout=900, stable=True)
+    events = engine.events()
+    handover = [e for e in events if e["event"] == "handover"][-1]
+    detected = max(i for i, e in enumerate(events) if e["event"] == "detected")
+    per = []
+    for k, r in zip(killed, reference, strict=True):
+        belayer = k["meta"].get("belayer") or {}
+        per.append({"next_token_s": k["next_token_s"], "at_kill": k["at_kill"], "at_failure": k["at_failure"],
+                    "first_diff": _first_diff(k["ids"], r["ids"]), "adopted_tokens": belayer.get("adopted_tokens"),
+                    "reprefilled_tokens": belayer.get("reprefilled_tokens"), "recoveries": belayer.get("recoveries")})
+    return {"kill_after": kill_after, "next_token_s": _stats([p["next_token_s"] for p in per]),
+            "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
+            "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
+                       for e in events[detected:detected + 12]],  # detection, fence, promotion, routing
+            "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
 
 
 def _cells(text: str) -> list[tuple[int, int]]:
@@ -223,7 +235,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=None, help="the servers' --context-length (default: the engine's)")
     p.add_argument("--max-running", type=int, default=None, help="--max-running-requests (default: the engine's)")
     p.add_argument("--max-new", type=int, default=64)
-    p.add_argument("--kill-after", type=int, default=16)
+    p.add_argument("--kill-after", type=lambda t: [int(v) for v in t.split(",")], default=[16],
+                   help="kill once every request has this many new ids; several (16,40): one kill each")
     p.add_argument("--vocab", type=int, default=500, help="prompt ids are drawn from [1, vocab)")
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--plain", action="store_true", help="also measure a plain SGLang server's memory at the same KV")

@@ -120,7 +120,7 @@ def _adopt(scheduler, source_sid: str) -> None:
     S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [rows_ok, tokens]
     t_plan = time.perf_counter()
     arena.call("kv_promoted", sid=S.sid, predecessor=source_sid)
-    t_end = time.perf_counter()
+    t_end = S.adopted_at = time.perf_counter()
     ms = {"source": t_source - t0, "rows": t_rows - t_source, "plan": t_plan - t_rows, "arena": t_end - t_plan}
     say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.numel()} slots) from {source_sid}, "
         f"{cut} cut to their write before the kill, skipped {skipped}, in {1e3 * (t_end - t0):.1f} ms "

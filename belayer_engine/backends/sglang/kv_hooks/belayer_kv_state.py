@@ -25,6 +25,7 @@ class _State:
     promoted = False
     adopted_reserve = None  # the old reserve, kept for clear() before the gate opens
     journaled = False  # the first journal write is logged once
+    adopted_at: float | None = None  # perf_counter at the adoption's end, until its first batch
 
 
 S = _State()

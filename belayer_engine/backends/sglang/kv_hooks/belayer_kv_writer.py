@@ -3,6 +3,8 @@ each running request's row says which positions have complete KV and their token
 
 from __future__ import annotations
 
+import time
+
 import belayer_kv_journal as jr
 from belayer_kv_alloc import open_gate
 from belayer_kv_state import S, row_of, say
@@ -15,6 +17,8 @@ def patch_results(module) -> None:
     def process_batch_result_prefill(self, batch, result, *args, **kwargs):
         middle = [getattr(r, "inflight_middle_chunks", 0) > 0 for r in batch.reqs]  # before SGLang counts them down
         out = prefill(self, batch, result, *args, **kwargs)
+        if S.adopted_at is not None:
+            _first_after_adoption(batch)
         _journal([r for r, mid in zip(batch.reqs, middle, strict=False) if not mid])
         return out
 
@@ -25,6 +29,16 @@ def patch_results(module) -> None:
 
     cls.process_batch_result_prefill = process_batch_result_prefill
     cls.process_batch_result_decode = process_batch_result_decode
+
+
+def _first_after_adoption(batch) -> None:
+    """Logged once: where the wait after an adoption goes (its first batch's results are
+    the continuations' next tokens)."""
+    ms = 1e3 * (time.perf_counter() - S.adopted_at)
+    S.adopted_at = None
+    cached = [int(getattr(r, "cached_tokens", 0) or 0) for r in batch.reqs]
+    say(f"first batch after adoption: {len(batch.reqs)} requests, {getattr(batch, 'extend_num_tokens', '?')} "
+        f"tokens prefilled, {sum(cached)} from the cache, results {ms:.1f} ms after the adoption")
 
 
 def _journal(reqs) -> None:
