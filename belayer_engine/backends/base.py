@@ -71,6 +71,11 @@ class WorkerBackend(Protocol):
         in-flight requests it may adopt). Raises WorkerLost."""
         ...
 
+    def members(self, pid: int) -> dict[int, str]:
+        """Processes of the ready worker ``pid``'s group (pid -> title) whose exit fails the
+        whole group: its ranks, say. Empty when the leader's exit says it all."""
+        ...
+
     async def reaped(self, session: aiohttp.ClientSession, url: str) -> None:
         """The process group of the worker or shadow at ``url`` is gone (fenced and reaped):
         nothing of it can write shared memory again."""

@@ -29,9 +29,10 @@ class SupervisorConfig(BaseModel):
                                         "(1 KiB)")
 
     sglang_kv: Literal["arena", "server"] | None = Field(
-        default=None, description="sglang backend: where the KV pool lives. 'arena' (None: the default): in the "
-                                  "slot's arena, mapped by worker and shadow; the shadow adopts the dead worker's "
-                                  "in-flight requests with their KV (no re-prefill). 'server': in each SGLang server")
+        default=None, description="sglang backend: where the KV pool lives. 'arena' (None: the default at "
+                                  "--tp-size 1): in the slot's arena, mapped by worker and shadow; the shadow adopts "
+                                  "the dead worker's in-flight requests with their KV (no re-prefill). 'server' "
+                                  "(None at --tp-size > 1): in each SGLang server")
     sglang_kv_tokens: int | None = Field(
         default=None, ge=64, description="sglang backend: the KV pool in tokens (SGLang's --max-total-tokens); None = "
                                          "--max-total-tokens in worker_args, else on a GPU what sglang_kv_fraction "
@@ -92,7 +93,7 @@ def make_backend(config: SupervisorConfig):
         return SGLangBackend(config.model, config.worker_args, config.sglang_venv, device=config.device,
                              shadow_memory_saver=config.sglang_shadow_memory_saver,
                              shadow_release_graphs=bool(config.sglang_shadow_release_graphs),
-                             cuda_stack_bytes=config.sglang_cuda_stack_bytes, kv=config.sglang_kv or "arena",
+                             cuda_stack_bytes=config.sglang_cuda_stack_bytes, kv=config.sglang_kv,
                              kv_tokens=config.sglang_kv_tokens, kv_reserve_tokens=config.sglang_kv_reserve_tokens,
                              kv_fraction=config.sglang_kv_fraction)
     from belayer_engine.backends.reference.launcher import ReferenceBackend

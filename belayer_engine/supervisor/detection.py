@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 
 from belayer_core.errors import WorkerLost
+from belayer_engine.common.proc_group import wait_exit
 from belayer_engine.common.routing import Endpoint
 from belayer_engine.supervisor.processes import Proc, fence
 from belayer_engine.supervisor.slot import Slot
@@ -26,19 +27,37 @@ class Detection:
             code = await proc.process.wait()
             if proc.fenced or self._stopping:
                 return
-            if proc is slot.worker:
-                await self._handle_worker_failure(slot, proc, "exit", f"worker exited with {code}")
-            elif proc is slot.arena:
-                await self._handle_arena_failure(slot, proc, f"arena exited with {code}")
-            elif proc is slot.shadow:
-                slot.shadow = None
-                self._event(slot, "shadow_lost", code=code)
-                with contextlib.suppress(WorkerLost):  # what it started goes with it
-                    await fence(proc, self.config.fence_timeout_s)
-                    await self._procs.reaped(proc)
-                self._rearm(slot)
+            await self._on_exit(slot, proc, code, f"{proc.role} exited with {code}")
 
         self._spawn_task(watch())
+
+    def _watch_members(self, slot: Slot, proc: Proc) -> None:
+        """The processes a ready worker or shadow runs on besides its leader (an SGLang
+        server's scheduler of every tensor-parallel rank, its detokenizer): one that exits
+        is the whole group's failure (its peers would wait for it in a collective forever),
+        seen at once rather than at the router's stall timeout."""
+        assert self._procs is not None
+        for pid, title in self._procs.members(proc).items():
+            async def watch(pid: int = pid, title: str = title) -> None:
+                await wait_exit(pid)
+                if proc.fenced or self._stopping or not proc.alive:
+                    return  # fenced, or the leader's own watch reports it
+                await self._on_exit(slot, proc, None, f"{title} (pid {pid}) of {proc.name} exited")
+
+            self._spawn_task(watch())
+
+    async def _on_exit(self, slot: Slot, proc: Proc, code: int | None, reason: str) -> None:
+        if proc is slot.worker:
+            await self._handle_worker_failure(slot, proc, "exit", reason)
+        elif proc is slot.arena:
+            await self._handle_arena_failure(slot, proc, reason)
+        elif proc is slot.shadow:
+            slot.shadow = None
+            self._event(slot, "shadow_lost", code=code, reason=reason)
+            with contextlib.suppress(WorkerLost):  # what it started goes with it
+                await fence(proc, self.config.fence_timeout_s)
+                await self._procs.reaped(proc)
+            self._rearm(slot)
 
     def _on_router_failure(self, endpoint: Endpoint, reason: str) -> None:
         for slot in self.slots:

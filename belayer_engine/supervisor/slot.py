@@ -139,6 +139,13 @@ class SlotProcesses:
         return await self.backend.promote(self.session, shadow.url, self.config.start_timeout_s,
                                           predecessor=predecessor.url if predecessor is not None else None)
 
+    def members(self, proc: Proc) -> dict[int, str]:
+        """The processes of ``proc``'s group whose exit is the group's failure (pid -> title)."""
+        try:
+            return self.backend.members(proc.pid)
+        except OSError:
+            return {}
+
     async def reaped(self, proc: Proc) -> None:
         """Tell the backend that ``proc``'s process group is gone (logged, never raised)."""
         if proc.url is None:

@@ -177,6 +177,7 @@ class Supervisor(Detection, Handover, StatusViews):
         assert self._procs is not None
         proc = await self._procs.start_worker(slot, shadow)
         self._watch(slot, proc)
+        self._watch_members(slot, proc)
         if not shadow:
             slot.cold_starts += 1
         self._event(slot, f"{proc.role}_ready", pid=proc.pid, start_s=started_for(proc), cloned=proc.cloned)

@@ -1,7 +1,9 @@
 """SGLang's ``update_weights_from_tensor`` payload, accepted by value only.
 
-Each entry of ``serialized_named_tensors`` (one: this engine's workers have tp_size 1) is
-base64 of safetensors bytes (``safetensors.torch.save({name: tensor})``): the tensors'
+``serialized_named_tensors`` holds one entry per tensor-parallel rank in SGLang's API (each
+rank's full, unsharded tensors); this engine writes one update to every rank's shard, so it
+takes one entry, or one per rank all equal (what a trainer sends a tp > 1 server). An entry
+is base64 of safetensors bytes (``safetensors.torch.save({name: tensor})``): the tensors'
 data travels in the request. Its header is checked completely against the served layout
 (every name known, the served shape and dtype, offsets that tile the data) and the entry's
 length against the header before the rest is decoded, so nothing larger than the tensors
@@ -29,6 +31,7 @@ from belayer_engine.weights import wire as weights_wire
 FIELD = "serialized_named_tensors"
 _HEADER_PER_TENSOR = 512  # bytes of safetensors header one tensor may take (name, dtype, shape, offsets)
 _HEADER_BASE = 64 << 10  # and the rest of a header (``__metadata__``)
+MAX_RANKS = 64  # entries of one request (SGLang's: one per tensor-parallel rank)
 
 BY_VALUE_HINT = (f"send tensors by value: {FIELD} = [base64.b64encode(safetensors.torch.save("
                  "{name: tensor.cpu()})).decode()] (docs/router.md, 'Weight updates from a trainer')")
@@ -70,9 +73,14 @@ def _decoded_length(text: str) -> int:
 def decode_named_tensors(entries, layout: Mapping[str, list[int]], dtype: str) -> dict:
     """``{name: tensor}`` of one update: views over the decoded bytes, checked against the
     served ``layout`` (HF name -> shape) and ``dtype``. Anything else: ``UsageError``."""
-    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
-        raise UsageError(f"{FIELD}: a list of one base64 string (this engine's workers have tp_size 1)")
+    if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_RANKS \
+            or not all(isinstance(e, str) for e in entries):
+        raise UsageError(f"{FIELD}: a list of base64 strings, one, or one per tensor-parallel rank (at most "
+                         f"{MAX_RANKS})")
     text = entries[0]
+    if any(e != text for e in entries[1:]):
+        raise UsageError(f"{FIELD}: the ranks' entries differ; this engine writes one update to every rank's "
+                         "shard: send the same full tensors to each (or one entry)")
     itemsize = weights_wire.SIZES[dtype]
     total = _decoded_length(text)
     if total > max_entry_bytes(layout, itemsize):

@@ -44,6 +44,9 @@ class ReferenceBackend:
             return status == 200 and body.get("state") == "shadow"
         return (await http_status(session, url + "/health"))[0] == 200
 
+    def members(self, pid: int) -> dict[int, str]:
+        return {}  # one process: its exit is the leader's
+
     async def reaped(self, session: aiohttp.ClientSession, url: str) -> None:
         return None  # the arena's live-KV lease already went with the dead worker's connection
 

@@ -17,6 +17,7 @@ import sys
 from pydantic import Field
 
 from belayer_core.config_flags import ConfigFlags
+from belayer_core.errors import ConfigError
 from belayer_engine.arena.config import ArenaConfig
 from belayer_engine.arena.exports import ArenaExport, ExportContext, ExportFactory
 from belayer_engine.arena.server import serve
@@ -28,6 +29,8 @@ class SGLangArenaConfig(ArenaConfig):
     """The arena's options and what SGLang's workers map from it."""
 
     weight_cache_socket: str | None = Field(None, description="also serve SGLang's weight-cache protocol on this Unix socket")
+    tp_size: int = Field(1, ge=1, description="the SGLang servers' tensor-parallel size: the weight cache serves "
+                         "each rank its shard")
     kv_pool: bool = Field(False, description="hold the SGLang servers' KV pool, request tables and journals (adoption)")
     kv_reserve_tokens: int = Field(1024, ge=1, description="with --kv-pool: KV slots the serving worker never "
                                    "allocates (its shadow's warm-up, and the promoted shadow's first allocations)")
@@ -44,13 +47,15 @@ def exports(cfg: SGLangArenaConfig) -> list[ExportFactory]:
     """What the arena serves for SGLang beside its own regions."""
     out: list[ExportFactory] = []
     if cfg.weight_cache_socket:
-        socket_path = cfg.weight_cache_socket
+        socket_path, tp = cfg.weight_cache_socket, cfg.tp_size
 
         def weight_cache(ctx: ExportContext) -> ArenaExport:
-            return WeightCacheExport(ctx.model, ctx.weights, socket_path, ctx.device)
+            return WeightCacheExport(ctx.model, ctx.weights, socket_path, ctx.device, tp_size=tp)
 
         out.append(weight_cache)
     if cfg.kv_pool:
+        if cfg.tp_size != 1:
+            raise ConfigError(f"--kv-pool holds one rank's KV; tp_size {cfg.tp_size} servers own their KV")
         reserve = cfg.kv_reserve_tokens
 
         def kv_pool(ctx: ExportContext) -> ArenaExport:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from belayer_core.errors import BelayerError, ConfigError, WorkerLost
 
-from .launcher import has_package, inherited_expandable, venv_dir, venv_python
+from .launcher import TP_FLAGS, has_package, inherited_expandable, venv_dir, venv_python
 from .sizing import GPU_RUNNING, context_default, flag_value, is_cpu, kv_plan, kv_pool_mib
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ RESIDENT_KV_MIB = 768
 # server on an H200 (measured: 1,868 -> 1,670 MiB, same greedy ids); see gpu_hooks/README.md.
 DEFAULT_CUDA_STACK_BYTES = 256
 ADOPT_TAG = "belayer_adopt:"  # kv_hooks/belayer_kv_patch.py: adopt that server's journaled requests
+SGLANG_TITLE = "sglang::"  # SGLang names its processes so (setproctitle)
 PREFILL_GRAPH_FLAGS = ("--cuda-graph-max-bs-prefill", "--piecewise-cuda-graph-max-tokens", "--disable-prefill-cuda-graph")
 
 
@@ -67,7 +68,7 @@ class SGLangBackend:
     def __init__(self, model: str | None, extra_args: list[str] | None = None, venv: str | None = None,
                  device: str = "cpu", shadow_memory_saver: bool | None = None,
                  shadow_release_graphs: bool = False, cuda_stack_bytes: int | None = None,
-                 kv: str = "arena", kv_tokens: int | None = None, kv_reserve_tokens: int | None = None,
+                 kv: str | None = None, kv_tokens: int | None = None, kv_reserve_tokens: int | None = None,
                  kv_fraction: float | None = None) -> None:
         if model is None:
             from .model_dir import embedded_config, ensure_embedded_model
@@ -78,6 +79,13 @@ class SGLangBackend:
         self.venv = venv
         self.extra_args = list(extra_args or [])
         venv_python(venv)  # fail now, naming the set-up script, not after a 3-minute timeout
+        self.tp = self._tp(device)
+        if kv is None:  # the arena's pool is one rank's: a tensor-parallel group's servers own their KV
+            kv = "arena" if self.tp == 1 else "server"
+        if kv == "arena" and self.tp > 1:
+            raise ConfigError(f"sglang_kv='arena' holds one server's KV pool, not the {self.tp} ranks' of --tp-size "
+                              f"{self.tp}: use sglang_kv='server' (the default with --tp-size > 1; the shadow "
+                              "re-prefills the in-flight requests instead of adopting their KV)")
         if kv not in ("arena", "server"):
             raise ConfigError(f"sglang_kv must be 'arena' or 'server', not {kv!r}")
         self.kv = kv
@@ -104,6 +112,34 @@ class SGLangBackend:
         self.releasable = ("kv_cache", "cuda_graph") if shadow_release_graphs else ("kv_cache",)
         self._arena_of: dict[str, str] = {}  # worker url -> arena socket
         self._released: set[str] = set()  # shadows whose KV (and graphs) are released
+
+    def _tp(self, device: str) -> int:
+        """The servers' tensor-parallel size (``--tp-size`` in ``extra_args``), checked against
+        the model now (SGLang would fail each rank minutes later, or hang)."""
+        value = flag_value(self.extra_args, TP_FLAGS)
+        if value is None:
+            return 1
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--tp-size {value!r}: a positive integer is needed")
+        tp = int(value)
+        if tp == 1:
+            return 1
+        if flag_value(self.extra_args, ("--pp-size", "--pipeline-parallel-size", "--dp-size", "--data-parallel-size",
+                                        "--ep-size", "--expert-parallel-size")) not in (None, "1"):
+            raise ConfigError("--tp-size is served; pipeline, data and expert parallel sizes other than 1 are not")
+        from belayer_core.errors import UsageError
+        from belayer_engine.model.config import ModelConfig
+
+        from .tp_layout import check_tp
+
+        try:
+            check_tp(ModelConfig.from_dir(self.model), tp)
+        except UsageError as exc:
+            raise ConfigError(f"--tp-size {tp} with {self.model}: {exc}") from None
+        if not is_cpu(device):
+            log.warning("--tp-size %d on %s: the multi-GPU path is untested (no machine with several GPUs was lent); "
+                        "CPU ranks are tested", tp, device)
+        return tp
 
     def _saver_wanted(self, device: str, wanted: bool | None) -> bool:
         if wanted is False:
@@ -152,6 +188,8 @@ class SGLangBackend:
                 "--no-reference-slots"]
         if self.kv == "arena":
             argv += ["--kv-pool", "--kv-reserve-tokens", str(self.kv_reserve_tokens)]
+        if self.tp > 1:
+            argv += ["--tp-size", str(self.tp)]  # the weight cache serves each rank its shard
         return argv
 
     def worker_argv(self, slot, spec) -> list[str]:
@@ -275,6 +313,14 @@ class SGLangBackend:
         except BelayerError as exc:
             raise WorkerLost(f"promote: arena check of {url} failed: {exc}") from exc
         return any(s["url"] == url for s in info.get("servers", []))
+
+    def members(self, pid: int) -> dict[int, str]:
+        """SGLang's own processes of the server (``sglang::scheduler_TP<r>``, one per tensor-
+        parallel rank, and ``sglang::detokenizer``): a rank SIGKILLed leaves the server up
+        and its peers blocked in a collective; the supervisor fences the group at once."""
+        from belayer_engine.common.proc_group import group_members
+
+        return {p: title for p, title in group_members(pid).items() if title.startswith(SGLANG_TITLE)}
 
     async def reaped(self, session, url: str) -> None:
         """The server's process group is gone: its successor may allocate anywhere in the pool

@@ -24,6 +24,7 @@ DEFAULT_VENV = "/opt/belayer/sglang-venv"
 SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
 GPU_HOOKS_DIR = Path(__file__).resolve().parent / "gpu_hooks"
 KV_HOOKS_DIR = Path(__file__).resolve().parent / "kv_hooks"
+THREADS_VAR = "BELAYER_SGLANG_CPU_THREADS"  # the CPU servers' threads (per rank) where the engine starts them
 SETUP_HINT = "run `bash scripts/setup_sglang.sh` (or set BELAYER_SGLANG_VENV to an SGLang venv)"
 
 
@@ -43,7 +44,10 @@ class SGLangServerConfig(BaseModel):
     max_running_requests: int = Field(default=CPU_RUNNING, ge=1)
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's own dtype (config.json) on GPU
     attention_backend: str | None = None  # None: torch_native on CPU, triton on GPU
-    threads: int = Field(default=1, ge=1, description="OMP threads of the CPU forward")
+    threads: int = Field(default_factory=lambda: int(os.environ.get(THREADS_VAR, "1")), ge=1, description=(
+        f"OMP threads of the CPU forward (of each tensor-parallel rank); default ${THREADS_VAR} or 1"))
+    shadow: bool = Field(default=False, description="a shadow: on CPU its tensor-parallel ranks take the cores "
+                         "after the worker's where the machine has enough")
     memory_saver: bool = Field(default=False, description="GPU only: the KV cache can be released and resumed "
                                "(torch_memory_saver)")
     memory_saver_graphs: bool = Field(default=False, description="with memory_saver: the CUDA graphs can be "
@@ -167,6 +171,39 @@ def tp_size(extra_args: list[str]) -> int:
     return int(value) if value.isdigit() else 1
 
 
+BIND_VAR = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's per-rank core lists, "0-3|4-7"
+
+
+def numa_nodes() -> int:
+    return max(1, len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))))
+
+
+def cpu_binding(tp: int, threads: int, shadow: bool, cores: list[int] | None = None) -> str:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp`` ranks of ``threads`` cores each
+    (SGLang binds a rank per NUMA node by default and refuses more ranks than nodes). The
+    worker's ranks take the first cores this process may run on; a shadow's the next ones
+    where there are enough (an idle shadow's warm-up, and a re-armed shadow's start, then
+    never slow the serving worker), else the worker's own (an idle shadow only waits)."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    need = tp * threads
+    start = need if shadow and len(cores) >= 2 * need else 0
+    groups = []
+    for rank in range(tp):
+        ids = [cores[(start + rank * threads + i) % len(cores)] for i in range(threads)]
+        groups.append(",".join(_ranges(ids)))
+    return "|".join(groups)
+
+
+def _ranges(ids: list[int]) -> list[str]:
+    out: list[list[int]] = []
+    for i in ids:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return [f"{a}-{b}" if b > a else str(a) for a, b in out]
+
+
 def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
     """The server's environment: SGLang's venv only, plus the CPU stand-ins on CPU."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
@@ -180,6 +217,9 @@ def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> d
     if is_cpu(cfg.device):
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["OMP_NUM_THREADS"] = str(cfg.threads)
+        tp = tp_size(cfg.extra_args)
+        if tp > 1 and BIND_VAR not in env and numa_nodes() < tp:  # the user's own binding wins
+            env[BIND_VAR] = cpu_binding(tp, cfg.threads, cfg.shadow)
         if not _has_kernel_package(cfg.venv):
             paths.insert(0, str(SHIMS_DIR))
     else:

@@ -30,48 +30,70 @@ def padded_vocab(cfg: ModelConfig) -> int:
 
 @dataclass(frozen=True)
 class Slot:
-    """Where an HF weight lives: SGLang tensor name and the rows it occupies there."""
+    """Where (a part of) an HF weight lives: SGLang tensor name and the rows it occupies
+    there; ``src`` = (dim, start, length) of the HF tensor that goes there (None: all of it)."""
 
     target: str
     row_start: int
     rows: int
+    src: tuple[int, int, int] | None = None
+
+    def piece(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.src is None else t.narrow(*self.src)
 
 
-def plan(cfg: ModelConfig) -> tuple[dict[str, tuple[tuple[int, ...], bool]], dict[str, Slot]]:
-    """SGLang name -> (shape, is_param), and HF name -> Slot (same order every time)."""
+def plan(cfg: ModelConfig, rank: int = 0, size: int = 1) -> tuple[dict[str, tuple[tuple[int, ...], bool]], dict[str, Slot]]:
+    """SGLang name -> (shape, is_param), and HF name -> Slot (same order every time), of
+    tensor-parallel rank ``rank`` of ``size`` (``tp_layout`` says what a rank holds)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    vocab = padded_vocab(cfg)
+    q, i = cfg.num_attention_heads * d // size, cfg.intermediate_size // size
+    kv_heads = cfg.num_key_value_heads
+    kv = max(kv_heads // size, 1) * d
+    kv_start = rank * kv if kv_heads >= size else rank // (size // kv_heads) * d  # replicated when fewer heads
+    vocab = padded_vocab(cfg) // size
     tensors: dict[str, tuple[tuple[int, ...], bool]] = {}
     slots: dict[str, Slot] = {}
 
-    def plain(hf: str, shape: tuple[int, ...], rows: int | None = None) -> None:
+    def whole(hf: str, shape: tuple[int, ...]) -> None:
         tensors[hf] = (shape, True)
-        slots[hf] = Slot(hf, 0, shape[0] if rows is None else rows)
+        slots[hf] = Slot(hf, 0, shape[0])
 
-    plain("model.embed_tokens.weight", (vocab, h), rows=cfg.vocab_size)  # padded rows stay zero
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        plain(p + "input_layernorm.weight", (h,))
+    def rows_of(hf: str, target: str, at: int, rows: int, start: int) -> None:
+        slots[hf] = Slot(target, at, rows, None if size == 1 else (0, start, rows))
+
+    def columns(hf: str, shape: tuple[int, ...]) -> None:
+        tensors[hf] = (shape, True)
+        slots[hf] = Slot(hf, 0, shape[0], None if size == 1 else (1, rank * shape[1], shape[1]))
+
+    def vocab_rows(hf: str) -> None:  # padded rows stay zero
+        tensors[hf] = ((vocab, h), True)
+        start = rank * vocab
+        n = max(0, min(vocab, cfg.vocab_size - start))
+        rows_of(hf, hf, 0, n, start if n else 0)
+
+    vocab_rows("model.embed_tokens.weight")
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        whole(p + "input_layernorm.weight", (h,))
         qkv = p + "self_attn.qkv_proj.weight"
         tensors[qkv] = ((q + 2 * kv, h), True)
-        slots[p + "self_attn.q_proj.weight"] = Slot(qkv, 0, q)
-        slots[p + "self_attn.k_proj.weight"] = Slot(qkv, q, kv)
-        slots[p + "self_attn.v_proj.weight"] = Slot(qkv, q + kv, kv)
-        plain(p + "self_attn.o_proj.weight", (h, q))
+        rows_of(p + "self_attn.q_proj.weight", qkv, 0, q, rank * q)
+        rows_of(p + "self_attn.k_proj.weight", qkv, q, kv, kv_start)
+        rows_of(p + "self_attn.v_proj.weight", qkv, q + kv, kv, kv_start)
+        columns(p + "self_attn.o_proj.weight", (h, q))
         if cfg.qk_norm:
-            plain(p + "self_attn.q_norm.weight", (d,))
-            plain(p + "self_attn.k_norm.weight", (d,))
-        plain(p + "post_attention_layernorm.weight", (h,))
+            whole(p + "self_attn.q_norm.weight", (d,))
+            whole(p + "self_attn.k_norm.weight", (d,))
+        whole(p + "post_attention_layernorm.weight", (h,))
         gate_up = p + "mlp.gate_up_proj.weight"
-        tensors[gate_up] = ((2 * cfg.intermediate_size, h), True)
-        slots[p + "mlp.gate_proj.weight"] = Slot(gate_up, 0, cfg.intermediate_size)
-        slots[p + "mlp.up_proj.weight"] = Slot(gate_up, cfg.intermediate_size, cfg.intermediate_size)
-        plain(p + "mlp.down_proj.weight", (h, cfg.intermediate_size))
+        tensors[gate_up] = ((2 * i, h), True)
+        rows_of(p + "mlp.gate_proj.weight", gate_up, 0, i, rank * i)
+        rows_of(p + "mlp.up_proj.weight", gate_up, i, i, rank * i)
+        columns(p + "mlp.down_proj.weight", (h, i))
         tensors[p + "self_attn.rotary_emb.cos_sin_cache"] = ((cfg.max_position_embeddings, d), False)
-    plain("model.norm.weight", (h,))
+    whole("model.norm.weight", (h,))
     if not cfg.tie_word_embeddings:
-        plain("lm_head.weight", (vocab, h), rows=cfg.vocab_size)
+        vocab_rows("lm_head.weight")
     assert set(slots) == set(weight_specs(cfg)), "layout out of step with weights.weight_specs"
     return tensors, slots
 
@@ -86,12 +108,14 @@ def rotary_cache(cfg: ModelConfig) -> torch.Tensor:
 
 
 class SGLangWeights:
-    """The SGLang-layout tensors of one model, as views into one flat buffer."""
+    """The SGLang-layout tensors of one model (of one tensor-parallel rank: ``rank`` of
+    ``size``), as views into one flat buffer."""
 
-    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu", rank: int = 0, size: int = 1):
         self.cfg = cfg
+        self.rank, self.size = rank, size
         self.dtype = torch_dtype(cfg.dtype)
-        self.shapes, self.slots = plan(cfg)
+        self.shapes, self.slots = plan(cfg, rank, size)
         # SGLang keeps the rotary cache in float32 on CUDA and in the model's dtype on CPU.
         rotary_dtype = torch.float32 if torch.device(device).type == "cuda" else self.dtype
         weights = {n: sh for n, (sh, _) in self.shapes.items() if not n.endswith("cos_sin_cache")}
@@ -127,7 +151,7 @@ class SGLangWeights:
         self.check(updates)
         for name, t in updates.items():
             slot = self.slots[name]
-            self.tensors[slot.target][slot.row_start:slot.row_start + slot.rows].copy_(t)
+            self.tensors[slot.target][slot.row_start:slot.row_start + slot.rows].copy_(slot.piece(t))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -34,7 +34,7 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
     p.add_argument("--weight-cache-socket", default=None)
     p.add_argument("--venv", default=None)
     p.add_argument("--worker-id", default=None, help="for the supervisor's logs only")
-    p.add_argument("--shadow", action="store_true", help="informational: a shadow is a started server")
+    p.add_argument("--shadow", action="store_true", help="a shadow is a started server (on CPU: its ranks' cores)")
     p.add_argument("--key-dir", default=None, help="where the 0600 api-key file goes (default: $TMPDIR)")
     p.add_argument("--memory-saver", action="store_true", help="GPU: the KV cache is releasable (shadows)")
     p.add_argument("--memory-saver-graphs", action="store_true", help="with --memory-saver: CUDA graphs too")
@@ -54,7 +54,7 @@ def parse(argv: list[str] | None = None) -> SGLangServerConfig:
                               memory_saver=args.memory_saver,
                               memory_saver_graphs=args.memory_saver_graphs,
                               cuda_stack_bytes=args.cuda_stack_bytes, kv_arena=args.kv_arena,
-                              kv_role=args.kv_role, extra_args=extra)
+                              kv_role=args.kv_role, shadow=args.shadow, extra_args=extra)
 
 
 def main(argv: list[str] | None = None) -> int:

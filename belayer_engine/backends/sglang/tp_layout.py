@@ -6,9 +6,9 @@ fused ``qkv_proj`` ([q heads of r; kv heads of r; kv heads of r], a kv head repl
 ``gate_up_proj`` rows ([gate rows of r; up rows of r]), the matching input columns of
 ``o_proj`` and ``down_proj``, its contiguous slice of the vocabulary (padded to 64, as
 SGLang's ``VocabParallelEmbedding`` on a GPU), and full copies of norms and the rotary
-cache. This module computes those shards from HF-named weights, so a per-GPU arena can own
-exactly its rank's bytes; ``tp_size == 1`` gives ``layout.SGLangWeights``' tensors.
-Not yet served over the weight-cache socket (that needs two GPUs to test end to end).
+cache. ``layout.plan`` lays a rank out (``SGLangWeights(cfg, device, rank, size)``); this
+module checks that a model splits and counts a rank's bytes. The arena serves every rank's
+shard over SGLang's weight-cache socket (``weight_cache.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from belayer_core.errors import UsageError
 from belayer_engine.model.config import ModelConfig
 from belayer_engine.model.weights import torch_dtype
 
-from .layout import padded_vocab, rotary_cache
+from .layout import SGLangWeights, padded_vocab
 
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:
@@ -37,59 +37,15 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
         raise UsageError(f"padded vocabulary {padded_vocab(cfg)} does not split over tp_size {tp_size}")
 
 
-def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    per = t.shape[0] // size
-    return t[rank * per:(rank + 1) * per]
-
-
-def _kv_heads(t: torch.Tensor, cfg: ModelConfig, rank: int, size: int) -> torch.Tensor:
-    """This rank's kv heads (rows of k_proj or v_proj); replicated when kv heads < ranks."""
-    kv, d = cfg.num_key_value_heads, cfg.head_dim
-    if kv >= size:
-        return _rows(t, rank, size)
-    head = rank // (size // kv)
-    return t[head * d:(head + 1) * d]
-
-
-def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
-    out[: t.shape[0]] = t
-    return out
-
-
 def shard(cfg: ModelConfig, hf: dict[str, torch.Tensor], rank: int, size: int,
           device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """SGLang-named tensors of rank ``rank`` of ``size`` (new tensors, contiguous)."""
+    """SGLang-named tensors of rank ``rank`` of ``size`` (views of one new flat buffer)."""
     check_tp(cfg, size)
     if not 0 <= rank < size:
         raise UsageError(f"tp_rank {rank} outside 0..{size - 1}")
-    vocab = padded_vocab(cfg)
-    out: dict[str, torch.Tensor] = {}
-    out["model.embed_tokens.weight"] = _rows(_padded(hf["model.embed_tokens.weight"], vocab), rank, size)
-    rotary = rotary_cache(cfg).to(torch.float32 if torch.device(device).type == "cuda" else hf["model.norm.weight"].dtype)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        out[p + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[a + "qkv_proj.weight"] = torch.cat([_rows(hf[a + "q_proj.weight"], rank, size),
-                                                _kv_heads(hf[a + "k_proj.weight"], cfg, rank, size),
-                                                _kv_heads(hf[a + "v_proj.weight"], cfg, rank, size)])
-        out[a + "o_proj.weight"] = _rows(hf[a + "o_proj.weight"].t(), rank, size).t()
-        if cfg.qk_norm:
-            out[a + "q_norm.weight"] = hf[a + "q_norm.weight"]
-            out[a + "k_norm.weight"] = hf[a + "k_norm.weight"]
-        out[p + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        m = p + "mlp."
-        out[m + "gate_up_proj.weight"] = torch.cat([_rows(hf[m + "gate_proj.weight"], rank, size),
-                                                    _rows(hf[m + "up_proj.weight"], rank, size)])
-        out[m + "down_proj.weight"] = _rows(hf[m + "down_proj.weight"].t(), rank, size).t()
-        out[a + "rotary_emb.cos_sin_cache"] = rotary
-    out["model.norm.weight"] = hf["model.norm.weight"]
-    if cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    else:
-        out["lm_head.weight"] = _rows(_padded(hf["lm_head.weight"], vocab), rank, size)
-    return {k: v.contiguous().to(device) for k, v in out.items()}
+    weights = SGLangWeights(cfg, device, rank, size)
+    weights.write(hf)
+    return weights.tensors
 
 
 def shard_nbytes(cfg: ModelConfig, size: int) -> int:

@@ -43,6 +43,7 @@ from belayer_engine.arena import protocol as proto
 from belayer_engine.model.config import ModelConfig
 
 from .layout import SGLangWeights
+from .tp_layout import check_tp
 
 MAX_REQUEST = 1 << 20  # a fetch_state request is a small dict
 
@@ -80,6 +81,10 @@ def _send_frame(sock: socket.socket, obj: object) -> None:
     sock.sendall(struct.pack("!I", len(data)) + data)
 
 
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    return device if device.type != "cuda" else torch.device("cuda", (device.index or 0) + rank)
+
+
 def _handle(t: torch.Tensor) -> str:
     """A tensor as SGLang's ``MultiprocessingSerializer`` writes it (base64 ForkingPickler)."""
     from multiprocessing.reduction import ForkingPickler
@@ -97,24 +102,29 @@ class WeightCacheExport:
     holds_weights = True
 
     def __init__(self, model: ModelConfig, weights: dict[str, torch.Tensor], socket_path: str,
-                 device: torch.device, http_timeout_s: float = 30.0):
+                 device: torch.device, http_timeout_s: float = 30.0, tp_size: int = 1):
+        check_tp(model, tp_size)
         self.socket_path = socket_path
         self.device = device
+        self.tp_size = tp_size
         self.http_timeout_s = http_timeout_s
         if device.type == "cpu":
             # file_system: a peer maps the storage by its shm name. The default (file
             # descriptor passing) only works between a parent and its children.
             torch.multiprocessing.set_sharing_strategy("file_system")
-        self.weights = SGLangWeights(model, device)
-        self.weights.write(weights)
-        if device.type == "cpu":
-            self.weights.flat.share_memory_()
-            self.weights.rotary.share_memory_()
-        self.entries = {name: {"handle": _handle(t), "shape": list(t.shape),
-                               "dtype": str(t.dtype).removeprefix("torch."),
-                               "is_param": self.weights.is_param(name)}
-                        for name, t in self.weights.tensors.items()}
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self.weights.flat, self.weights.rotary))
+        # One shard per tensor-parallel rank, each on its rank's device (SGLang's rank r of a
+        # server whose first GPU is cuda:b runs on cuda:b+r); every update writes all of them.
+        self.ranks = [SGLangWeights(model, _rank_device(device, r), r, tp_size) for r in range(tp_size)]
+        for shard in self.ranks:
+            shard.write(weights)
+            if device.type == "cpu":
+                shard.flat.share_memory_()
+                shard.rotary.share_memory_()
+        self.weights = self.ranks[0]  # names, dtype and checks are every rank's
+        self.entries = [{name: {"handle": _handle(t), "shape": list(t.shape),
+                                "dtype": str(t.dtype).removeprefix("torch."), "is_param": shard.is_param(name)}
+                         for name, t in shard.tensors.items()} for shard in self.ranks]
+        self.nbytes = sum(t.numel() * t.element_size() for shard in self.ranks for t in (shard.flat, shard.rotary))
         self.version = 0
         self.lock = threading.Lock()  # one update or registration at a time
         self.servers: dict[str, dict] = {}  # url -> {"role", "pid"}
@@ -129,11 +139,13 @@ class WeightCacheExport:
                 _send_frame(sock, {"status": "error", "message": "only fetch_state is served"})
                 continue
             config = msg.get("config") or {}
-            if config.get("tp_size", 1) != 1 or config.get("pp_size", 1) != 1:
-                _send_frame(sock, {"status": "mismatch", "daemon_config": {"tp_size": 1, "pp_size": 1}})
+            rank = config.get("tp_rank", 0)
+            if config.get("tp_size", 1) != self.tp_size or config.get("pp_size", 1) != 1 \
+                    or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+                _send_frame(sock, {"status": "mismatch", "daemon_config": {"tp_size": self.tp_size, "pp_size": 1}})
                 continue
             self.fetches += 1
-            _send_frame(sock, {"status": "ok", "config": config, "entries": self.entries,
+            _send_frame(sock, {"status": "ok", "config": config, "entries": self.entries[rank],
                                "pid": os.getpid(), "transport_backend": "torch_ipc",
                                "preloaded_weights_bytes": 0})
 
@@ -161,7 +173,9 @@ class WeightCacheExport:
                          name="sglang-weight-cache", daemon=True).start()
 
     def checksum(self) -> str:
-        return mem.checksum(self.weights.flat.view(-1).view(torch.uint8))
+        if self.tp_size == 1:
+            return mem.checksum(self.weights.flat.view(-1).view(torch.uint8))
+        return mem.checksum(torch.cat([s.flat.view(-1).view(torch.uint8).cpu() for s in self.ranks]))
 
     def check_weights(self, tensors) -> None:
         self.weights.check(tensors)
@@ -189,7 +203,7 @@ class WeightCacheExport:
     def describe(self) -> dict:
         with self.lock:
             servers = [{"url": u, **info} for u, info in self.servers.items()]  # never the header
-        return {"socket": self.socket_path, "nbytes": self.nbytes, "fetches": self.fetches,
+        return {"socket": self.socket_path, "nbytes": self.nbytes, "fetches": self.fetches, "tp_size": self.tp_size,
                 "version": self.version, "servers": servers}
 
     def _post(self, url: str, path: str, body: dict) -> int:
@@ -242,9 +256,12 @@ class WeightCacheExport:
             try:
                 # cast where the tensor is, copy straight into the rows: no device-side staging
                 # copy (a 4B model's embedding cast on the GPU first left ~0.8 GB cached in the arena)
-                self.weights.write({k: v.to(dtype=self.weights.dtype).contiguous() for k, v in tensors.items()})
+                cast = {k: v.to(dtype=self.weights.dtype).contiguous() for k, v in tensors.items()}
+                for shard in self.ranks:  # every rank's shard, while every server is paused
+                    shard.write(cast)
+                    if shard.flat.device.type == "cuda":
+                        torch.cuda.synchronize(shard.flat.device)
                 if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
                     torch.cuda.empty_cache()
                 self.version = version
                 for url in live:
