@@ -2,8 +2,10 @@
 
 SGLang's load-snapshot files (``sglang_loads_*.shm``) carry no owner pid, and its
 pid-stamped segments (``sgl_shm_<kind>_<pid>_<rand>``) are unlinked only by SGLang's own
-CI sweep. A file is orphaned when no live process has it open or mapped; ``belayer gc``
-removes those.
+CI sweep. Python's multiprocessing semaphores (``sem.mp-*``: a spawned SGLang rank's locks)
+are unlinked by the server's resource tracker, which a SIGKILL of the group takes with it.
+A file is orphaned when no live process has it open or mapped (every user of a named
+semaphore maps it); ``belayer gc`` removes those.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from pathlib import Path
 from belayer_engine.arena.shm_files import unlink_all
 
 SHM_DIR = Path("/dev/shm")
-PREFIXES = ("sglang_loads_", "sgl_shm_")
+PREFIXES = ("sglang_loads_", "sgl_shm_", "sem.mp-")
 
 
-def _in_use() -> set[str]:
-    """Every /dev/shm path some process has open or mapped now."""
-    used: set[str] = set()
+def _in_use() -> set[int]:
+    """The inodes of every /dev/shm file some process has open or mapped now (by inode: a
+    named semaphore is mapped under the temporary name it was created as)."""
+    used: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -27,12 +30,11 @@ def _in_use() -> set[str]:
             with open(proc / "maps") as fh:
                 for line in fh:
                     if "/dev/shm/" in line:
-                        used.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
+                        used.add(int(line.split(None, 5)[4]))
             for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    used.add(target)
-        except OSError:
+                if os.readlink(fd).startswith("/dev/shm/"):
+                    used.add(os.stat(fd).st_ino)
+        except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
     return used
 
@@ -40,11 +42,17 @@ def _in_use() -> set[str]:
 def orphaned() -> list[Path]:
     if not SHM_DIR.is_dir():
         return []
-    candidates = [p for p in sorted(SHM_DIR.iterdir()) if p.name.startswith(PREFIXES)]
+    candidates = []
+    for p in sorted(SHM_DIR.iterdir()):
+        if p.name.startswith(PREFIXES):
+            try:
+                candidates.append((p, p.stat().st_ino))
+            except OSError:
+                continue
     if not candidates:
         return []
     used = _in_use()
-    return [p for p in candidates if str(p) not in used]
+    return [p for p, inode in candidates if inode not in used]
 
 
 def reap_orphans() -> list[str]:

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,22 @@ class HoldServer:
 
     def wait(self, what: str, timeout: float = 600.0) -> None:
         assert self.held.wait(timeout), f"{what} before the fault"
+
+
+def streams_across(engine, streams: list, fault, timeout: float = 600.0) -> tuple[list[dict], dict]:
+    """Run ``streams`` (each ``stream(on_tokens, out)``: a client that fills ``out`` and calls
+    ``on_tokens(n)`` as ids arrive) in threads against ``engine``, hold the serving server
+    once every stream has tokens (``HoldServer``), then ``fault()``; returns each stream's
+    ``out`` once all finished, and where the hold caught them (for failure texts)."""
+    hold = HoldServer(engine, len(streams))
+    results = [{} for _ in streams]
+    threads = [threading.Thread(target=stream, args=(partial(hold.started, i), results[i]))
+               for i, stream in enumerate(streams)]
+    for t in threads:
+        t.start()
+    hold.wait("every stream delivered tokens")
+    fault()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), f"every stream finished after the fault (held at {hold.at_hold})"
+    return results, hold.at_hold

@@ -29,7 +29,7 @@ from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 from tests.conftest import process_alive, wait_until
 
-from .conftest import HoldServer, sglang_venv
+from .conftest import HoldServer, sglang_venv, streams_across
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -139,22 +139,14 @@ def test_weight_update_then_sigkill_mid_stream_is_token_identical(engine):
 
     engine.wait_ready(timeout=START_S)
     old_pid = engine.worker_pid(0)
-    hold = HoldServer(engine, len(PROMPTS))
-    results = [{} for _ in PROMPTS]
-    threads = [threading.Thread(target=_stream, args=(engine, p, partial(hold.started, i), results[i]))
-               for i, p in enumerate(PROMPTS)]
-    for t in threads:
-        t.start()
-    hold.wait("every stream delivered tokens")
-    os.killpg(old_pid, signal.SIGKILL)  # the whole SGLang server: HTTP, scheduler, detokenizer
-    for t in threads:
-        t.join(START_S)
-        assert not t.is_alive(), "every stream finished after the kill"
+    # the whole SGLang server: HTTP, scheduler, detokenizer
+    results, at_hold = streams_across(engine, [partial(_stream, engine, p) for p in PROMPTS],
+                             lambda: os.killpg(old_pid, signal.SIGKILL), START_S)
     events = [e for e in engine.events() if e["event"] in ("detected", "arena_checked", "handover", "cold_restart")]
     for p, res in zip(PROMPTS, results, strict=True):
         assert res["ids"] == expected[p], f"{p!r}: continued output differs from the fault-free run; {events}"
         assert res["belayer"]["weight_versions"] == [version], "the shadow served the new version only"
-    assert sum(r["belayer"]["recoveries"] for r in results) >= 1, f"the kill landed mid-stream; held at {hold.at_hold}; {events}"
+    assert sum(r["belayer"]["recoveries"] for r in results) >= 1, f"the kill landed mid-stream; held at {at_hold}; {events}"
     for res in results:  # replayed: each id it had went through the shadow's decode again, none as input
         summary = res["belayer"]
         assert summary["replayed_tokens"] == sum(f["at_token"] for f in summary["failures"]), summary

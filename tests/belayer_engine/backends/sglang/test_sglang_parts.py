@@ -97,6 +97,23 @@ def test_gc_reaps_sglang_shm_files_nobody_maps():
     held.unlink()
 
 
+def test_gc_reaps_multiprocessing_semaphores_nobody_maps():
+    """A SIGKILLed SGLang group leaves its ranks' named semaphores behind (its resource
+    tracker died with it); a semaphore some process still uses is mapped, and kept."""
+    import multiprocessing
+
+    lock = multiprocessing.get_context("spawn").Lock()  # named, mapped by this process
+    live = [p for p in shm_files.SHM_DIR.glob("sem.mp-*") if p.stat().st_ino in shm_files._in_use()]
+    assert live, "a spawn-context lock is a named semaphore this process maps"
+    orphan = shm_files.SHM_DIR / f"sem.mp-belayertest{os.getpid()}"
+    orphan.write_bytes(b"\0" * 32)
+    orphans = shm_files.orphaned()
+    assert orphan in orphans and not set(live) & set(orphans)
+    assert str(orphan) in shm_files.reap_orphans() and not orphan.exists()
+    assert all(p.exists() for p in live)
+    del lock
+
+
 def test_the_arena_accepts_the_sglang_backends_options(tmp_path):
     """The arena options the SGLang backend adds parse into a valid config of the arena program
     it names (the SGLang arena: the weight cache and, by default, the KV pool)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from functools import partial
 
 import openai
@@ -25,7 +24,7 @@ from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 from tests.conftest import wait_until
 
-from .conftest import HoldServer, sglang_venv
+from .conftest import sglang_venv, streams_across
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -84,17 +83,8 @@ def _streams_across(engine, fault) -> tuple[list[dict], dict]:
     engine.wait_ready(timeout=START_S, stable=True)
     ranks = _ranks(engine)
     assert sorted(ranks.values()) == ["sglang::detokenizer", "sglang::scheduler_TP0", "sglang::scheduler_TP1"]
-    hold = HoldServer(engine, len(PROMPTS))
-    results = [{} for _ in PROMPTS]
-    threads = [threading.Thread(target=_stream, args=(engine, p, partial(hold.started, i), results[i]))
-               for i, p in enumerate(PROMPTS)]
-    for t in threads:
-        t.start()
-    hold.wait("every stream delivered tokens")
-    fault({title: pid for pid, title in ranks.items()})
-    for t in threads:
-        t.join(START_S)
-        assert not t.is_alive(), "every stream finished after the fault"
+    results, _ = streams_across(engine, [partial(_stream, engine, p) for p in PROMPTS],
+                             partial(fault, {title: pid for pid, title in ranks.items()}), START_S)
     return results, expected
 
 
