@@ -10,6 +10,17 @@ import socket
 
 import aiohttp
 
+# An idle connection to a worker is dropped after this long, well before the worker closes
+# it: SGLang's uvicorn closes one idle for 5 s (SGLANG_TIMEOUT_KEEP_ALIVE) and aiohttp keeps
+# one 15 s by default, so a request sent on a connection the worker was closing met a reset
+# ("Connection reset by peer") and failed as a broken stream of a healthy worker.
+WORKER_KEEPALIVE_S = 2.0
+
+
+def worker_connector(**kwargs) -> aiohttp.TCPConnector:
+    """The connection pool for talking to workers (see ``WORKER_KEEPALIVE_S``)."""
+    return aiohttp.TCPConnector(keepalive_timeout=WORKER_KEEPALIVE_S, **kwargs)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:

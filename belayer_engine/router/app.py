@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from belayer_engine.common import worker_auth
+from belayer_engine.common.net import worker_connector
 from belayer_engine.common.routing import Endpoint, RoutingTable
 
 from .codec import Codec, load_codec
@@ -73,7 +74,7 @@ class Router:
         cfg = self.config
         if self.codec is None:
             self.codec = load_codec(cfg.tokenizer)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        self._session = aiohttp.ClientSession(connector=worker_connector(limit=0),
                                               headers=worker_auth.headers(cfg.worker_api_key))
         continuation = Continuation(self.table, self._session, cfg)
         handlers = OpenAIHandlers(continuation, self.codec, cfg.model_name, cfg.default_max_tokens)

@@ -29,6 +29,7 @@ import aiohttp
 
 from belayer_core.errors import WorkerLost
 from belayer_engine.common import worker_auth
+from belayer_engine.common.net import worker_connector
 from belayer_engine.common.routing import Endpoint, RoutingTable
 from belayer_engine.supervisor.config import SupervisorConfig, make_backend
 from belayer_engine.supervisor.detection import Detection
@@ -103,7 +104,8 @@ class Supervisor(Detection, Handover, StatusViews):
             self._tmp = temp_run_dir()
             run_dir = Path(self._tmp.name)
         self.run_dir = run_dir
-        self._session = aiohttp.ClientSession(headers=worker_auth.headers(self.worker_secret))
+        self._session = aiohttp.ClientSession(connector=worker_connector(),
+                                              headers=worker_auth.headers(self.worker_secret))
         self._procs = SlotProcesses(cfg, make_backend(cfg), run_dir, self._session, self.worker_secret)
         self.table.add_listener(self._on_router_failure)
         for i in range(cfg.workers):
