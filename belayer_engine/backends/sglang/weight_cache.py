@@ -81,6 +81,13 @@ def _send_frame(sock: socket.socket, obj: object) -> None:
     sock.sendall(struct.pack("!I", len(data)) + data)
 
 
+def _gone(exc: OSError) -> bool:
+    """True when the server's process is gone (nothing listens, or the connection dropped as
+    it died); False for a server that is there but silent (a timeout)."""
+    reason = getattr(exc, "reason", exc)  # urllib wraps the socket's error
+    return isinstance(reason, ConnectionError)  # refused, reset, RemoteDisconnected; not a timeout
+
+
 def _rank_device(device: torch.device, rank: int) -> torch.device:
     return device if device.type != "cuda" else torch.device("cuda", (device.index or 0) + rank)
 
@@ -243,15 +250,18 @@ class WeightCacheExport:
         """Write HF-named ``tensors`` in place as ``version`` into every registered server."""
         self.weights.check(tensors)
         with self.lock:
-            live, failed = [], []
+            live, failed, unpaused = [], [], []
             for url in list(self.servers):
                 try:
-                    if self._post(url, "/pause_generation", {"mode": "retract"}) == 200:
+                    status = self._post(url, "/pause_generation", {"mode": "retract"})
+                    if status == 200:
                         live.append(url)
                         continue
-                except OSError:
-                    pass
-                self.servers.pop(url, None)  # dead or dying: the supervisor replaces it
+                    unpaused.append(f"{url} answered {status}")
+                except OSError as exc:
+                    if not _gone(exc):  # silent (a stopped rank holds its peers): it may serve again
+                        unpaused.append(f"{url}: {exc}")
+                self.servers.pop(url, None)  # never synced again: dead, or failed below
                 self._auth.pop(url, None)
             try:
                 # cast where the tensor is, copy straight into the rows: no device-side staging
@@ -275,5 +285,7 @@ class WeightCacheExport:
                         self._post(url, "/continue_generation", {})
                     except OSError as exc:
                         failed.append(f"{url} (continue): {exc}")
+            if unpaused:  # alive and unpaused: its cached KV is of the old weights, its version stale
+                failed += [f"{u} (not paused: must be fenced)" for u in unpaused]
             if failed:
                 raise WorkerLost(f"version {version} written but not confirmed by {failed}")

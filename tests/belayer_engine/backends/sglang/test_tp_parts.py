@@ -14,7 +14,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
-from belayer_core.errors import ConfigError, UsageError
+from belayer_core.errors import ConfigError, UsageError, WorkerLost
 from belayer_engine.backends.sglang.launcher import (
     BIND_VAR,
     SGLangServerConfig,
@@ -72,6 +72,31 @@ def test_each_rank_fetches_its_own_shard_and_an_update_reaches_every_rank(tmp_pa
         assert export.describe()["tp_size"] == 2 and export.version == 1
     finally:
         export.close()
+
+
+def test_a_server_that_does_not_pause_fails_the_update_and_a_gone_one_is_dropped(tmp_path):
+    """A silent server (a stopped rank holds its group) may serve again: the update raises so
+    its slot is restarted, never leaving it on the new tensors with its old cache; a server
+    whose port is closed is gone, and simply dropped."""
+    cfg = embedded_config(vocab_size=500)
+    hf = init_weights(cfg, seed=5)
+    export = WeightCacheExport(cfg, hf, str(tmp_path / "wc.sock"), torch.device("cpu"), http_timeout_s=1.0, tp_size=2)
+    silent = socket.socket()  # accepts (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    silent_url, gone_url = (f"http://127.0.0.1:{s.getsockname()[1]}" for s in (silent, gone))
+    export.servers = {silent_url: {"role": "worker", "pid": 0}, gone_url: {"role": "shadow", "pid": 0}}
+    try:
+        new = init_weights(cfg, seed=6)
+        with pytest.raises(WorkerLost, match="not paused: must be fenced") as failed:
+            export.update_weights({"model.norm.weight": new["model.norm.weight"]}, 1)
+        assert silent_url in str(failed.value) and gone_url not in str(failed.value)
+        assert export.servers == {}, "neither is synced again"
+    finally:
+        silent.close()
+        gone.close()
 
 
 def test_a_shard_layout_the_model_cannot_split_is_refused(tmp_path):
