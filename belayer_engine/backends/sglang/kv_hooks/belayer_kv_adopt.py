@@ -50,6 +50,28 @@ def patch_weight_updater(module) -> None:
     cls.resume_memory_occupation = resume_memory_occupation
 
 
+def warm_kernels(device) -> None:
+    """Run every kind of device op an adoption runs once, on tiny tensors, in a shadow that
+    waits: on a GPU the first launch of each kernel loads its module (CUDA's lazy loading,
+    milliseconds each), which would otherwise land inside the handover."""
+    import torch
+
+    table = torch.ones((2, 8), dtype=torch.int32, device=device)  # the request table's dtype
+    idx = table[0, :4].to(device=device, dtype=torch.int64) + torch.arange(4, device=device)
+    old_reserve = torch.tensor([12, 13], dtype=torch.int64, device=device)
+    in_reserve = torch.zeros(16, dtype=torch.bool, device=device)
+    in_reserve[old_reserve] = True
+    bool(((idx < 1) | (idx >= 16)).any()) or bool(in_reserve[idx.clamp(0, 15)].any())
+    held = torch.unique(torch.cat([idx[1:3], idx[:2]]))
+    everything = torch.unique(torch.cat([idx, idx]))
+    own = slots.choose_reserve(16, 2, old_reserve, everything, device)
+    own.cpu().numpy()
+    slots.promoted_plan(16, old_reserve, held, own, device, lambda: False)
+    slots.promoted_plan(16, old_reserve, held, own, device, lambda: True)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _undo(scheduler) -> None:
     """A failed adoption leaves nothing behind: an empty cache and the shadow's slots (what it
     inserted would otherwise be counted twice and stop SGLang's idle check)."""

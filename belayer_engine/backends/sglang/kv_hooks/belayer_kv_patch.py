@@ -121,6 +121,12 @@ def _attach(kv) -> None:
     if S.source:  # a shadow maps what it may adopt now, not at the failure
         S.source_journal = jr.open_journal(S.source["journal"])
         S.source_table = arena.tensor(S.source["table_handle"])
+        t0 = time.perf_counter()
+        try:
+            belayer_kv_adopt.warm_kernels(kv.device)
+            say(f"adoption kernels warmed in {1e3 * (time.perf_counter() - t0):.1f} ms")
+        except Exception as exc:  # only a warm-up: the adoption itself reports what fails
+            say(f"adoption kernels not warmed: {type(exc).__name__}: {exc}")
     say(f"{S.role} {S.sid}: KV pool of {spec['rows'] - 1} slots ({spec['nbytes'] / 2**20:.0f} MiB) in the arena, "
          f"reserve {S.reserve}, follows {S.source['sid'] if S.source else None}")
 
