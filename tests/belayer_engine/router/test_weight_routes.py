@@ -119,12 +119,16 @@ def test_tensors_by_value_become_one_engine_wide_version(engine):
         ([by_value({"model.no_such.weight": head})], "unknown weight"),
         ([by_value({name: head})[:-8]], "bytes"),
         (["not base64!"], "base64"),
-        ([by_value({name: head})] * 2, "one"),
+        ([by_value({name: head}), by_value({name: head.flip(0)})], "entries differ"),  # one update for every rank
         ("x", "list"),
     ]:
         status, out = post_tensor(engine, entries)
         assert status == 400 and words in out["message"] and not out["success"], (words, out)
     assert greedy_ids(engine) == after and version(engine) == "19"
+    # SGLang's tp form: one entry per rank, all the same full tensors -> one update
+    status, out = post_tensor(engine, [by_value({name: head.flip(0)})] * 2, weight_version="20")
+    assert status == 200 and out["success"] and version(engine) == "20", out
+    assert greedy_ids(engine) != after
 
 
 def test_sglangs_pickles_are_refused_unread(engine):

@@ -29,7 +29,7 @@ from .conftest import sglang_venv, streams_across
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 PROMPTS = ["Two ranks hold the rope", "Each rank holds half the heads"]
-HELD_TOKENS = 96
+HELD_TOKENS = 64
 START_S = 600.0
 STALL_S = 20.0  # no token for this long: the router probes the server (a stopped rank never answers)
 
