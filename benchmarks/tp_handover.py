@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import _procmem as procmem  # benchmarks/, on sys.path when run as a script
 import aiohttp
+from _plotting import pyplot, save_result
 from handover_at_scale import _first_diff, _stats, run_cell
 
 from belayer_engine.engine import RecoverableEngine
@@ -150,9 +150,7 @@ def main() -> None:
               "args": {k: v for k, v in vars(args).items() if k != "out"}, "tp": {}, "plain": {}}
 
     def save() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
-        _plot(result, path.with_suffix(".png"))
+        save_result(result, path, _plot)
 
     rng = random.Random(0)
     for tp in (int(v) for v in args.tp.split(",")):
@@ -170,12 +168,8 @@ def main() -> None:
 
 
 def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     sizes = [t for t, v in result["tp"].items() if v.get("cells")]
     if not sizes:
