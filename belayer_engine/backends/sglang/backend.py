@@ -132,10 +132,19 @@ class SGLangBackend:
 
         from .tp_layout import check_tp
 
+        cfg = ModelConfig.from_dir(self.model)
         try:
-            check_tp(ModelConfig.from_dir(self.model), tp)
+            check_tp(cfg, tp)
         except UsageError as exc:
             raise ConfigError(f"--tp-size {tp} with {self.model}: {exc}") from None
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        if is_cpu(device) and (heads % tp or kv_heads % tp):
+            # SGLang's CPU backend pads the heads then (adjust_config_with_unaligned_cpu_tp);
+            # the arena's shards are the unpadded layout (a GPU replicates kv heads instead)
+            fits = [n for n in range(1, kv_heads + 1) if not heads % n and not kv_heads % n]
+            raise ConfigError(f"--tp-size {tp} on CPU: SGLang's CPU backend pads {heads} attention / {kv_heads} kv "
+                              f"heads that do not divide by the tp size, a layout the arena does not serve; use "
+                              f"a tp size that divides both ({', '.join(map(str, fits))})")
         if not is_cpu(device):
             log.warning("--tp-size %d on %s: the multi-GPU path is untested (no machine with several GPUs was lent); "
                         "CPU ranks are tested", tp, device)

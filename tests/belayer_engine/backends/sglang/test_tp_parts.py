@@ -149,6 +149,8 @@ def test_the_backend_serves_tp_with_server_kv_and_refuses_what_it_cannot_honour(
         _backend(tmp_path, extra_args=["--tp-size", "2"], kv="arena")
     with pytest.raises(ConfigError, match="do not split"):
         _backend(tmp_path, extra_args=["--tp-size", "3"])
+    with pytest.raises(ConfigError, match=r"pads 8 attention / 2 kv heads .* \(1, 2\)"):
+        _backend(tmp_path, extra_args=["--tp-size", "4"])  # SGLang's CPU layout; found by a tp 4 run
     with pytest.raises(ConfigError, match="positive integer"):
         _backend(tmp_path, extra_args=["--tp-size=two"])
     with pytest.raises(ConfigError, match="pipeline, data and expert"):
