@@ -28,6 +28,13 @@ THREADS_VAR = "BELAYER_SGLANG_CPU_THREADS"  # the CPU servers' threads (per rank
 SETUP_HINT = "run `bash scripts/setup_sglang.sh` (or set BELAYER_SGLANG_VENV to an SGLang venv)"
 
 
+def _env_threads() -> int:
+    value = os.environ.get(THREADS_VAR, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{THREADS_VAR}={value!r}: a positive number of cores per rank")
+    return int(value)
+
+
 class SGLangServerConfig(BaseModel):
     """One SGLang server; every field maps to a flag or an environment variable."""
 
@@ -44,7 +51,7 @@ class SGLangServerConfig(BaseModel):
     max_running_requests: int = Field(default=CPU_RUNNING, ge=1)
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's own dtype (config.json) on GPU
     attention_backend: str | None = None  # None: torch_native on CPU, triton on GPU
-    threads: int = Field(default_factory=lambda: int(os.environ.get(THREADS_VAR, "1")), ge=1, description=(
+    threads: int = Field(default_factory=_env_threads, ge=1, description=(
         f"OMP threads of the CPU forward (of each tensor-parallel rank); default ${THREADS_VAR} or 1"))
     shadow: bool = Field(default=False, description="a shadow: on CPU its tensor-parallel ranks take the cores "
                          "after the worker's where the machine has enough")

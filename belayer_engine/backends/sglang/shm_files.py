@@ -28,14 +28,16 @@ def _in_use() -> set[int]:
             continue
         try:
             with open(proc / "maps") as fh:
-                for line in fh:
-                    if "/dev/shm/" in line:
-                        used.add(int(line.split(None, 5)[4]))
-            for fd in (proc / "fd").iterdir():
+                used.update(int(line.split(None, 5)[4]) for line in fh if "/dev/shm/" in line)
+            fds = list((proc / "fd").iterdir())
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        for fd in fds:  # one closed meanwhile must not hide the others
+            try:
                 if os.readlink(fd).startswith("/dev/shm/"):
                     used.add(os.stat(fd).st_ino)
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours to read
+            except OSError:
+                continue
     return used
 
 

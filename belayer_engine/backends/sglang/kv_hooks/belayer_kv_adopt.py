@@ -61,7 +61,8 @@ def warm_kernels(device) -> None:
     old_reserve = torch.tensor([12, 13], dtype=torch.int64, device=device)
     in_reserve = torch.zeros(16, dtype=torch.bool, device=device)
     in_reserve[old_reserve] = True
-    bool(((idx < 1) | (idx >= 16)).any()) or bool(in_reserve[idx.clamp(0, 15)].any())
+    bool(((idx < 1) | (idx >= 16)).any())
+    bool(in_reserve[idx.clamp(0, 15)].any())
     held = torch.unique(torch.cat([idx[1:3], idx[:2]]))
     everything = torch.unique(torch.cat([idx, idx]))
     own = slots.choose_reserve(16, 2, old_reserve, everything, device)

@@ -118,7 +118,7 @@ def test_each_rank_gets_its_cores(cores, tp, threads, worker, shadow):
     assert cpu_binding(tp, threads, True, cores) == shadow
 
 
-def test_cpu_ranks_are_bound_unless_the_user_bound_them(tmp_path):
+def test_cpu_ranks_are_bound_unless_the_user_bound_them(tmp_path, monkeypatch):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
@@ -126,6 +126,12 @@ def test_cpu_ranks_are_bound_unless_the_user_bound_them(tmp_path):
     assert BIND_VAR in server_env(cfg, base={"PATH": "/bin"})
     assert server_env(cfg, base={"PATH": "/bin", BIND_VAR: "0|1"})[BIND_VAR] == "0|1"
     assert BIND_VAR not in server_env(cfg.model_copy(update={"extra_args": []}), base={"PATH": "/bin"})
+    monkeypatch.setenv("BELAYER_SGLANG_CPU_THREADS", "two")
+    with pytest.raises(ConfigError, match="BELAYER_SGLANG_CPU_THREADS='two'"):
+        SGLangServerConfig(model_path="/m", port=30123, venv=str(venv))
+    monkeypatch.setenv("BELAYER_SGLANG_CPU_THREADS", "2")
+    assert server_env(SGLangServerConfig(model_path="/m", port=30123, venv=str(venv), extra_args=["--tp-size", "2"]),
+                      base={"PATH": "/bin"})["OMP_NUM_THREADS"] == "2"
 
 
 def _backend(tmp_path, **kw):
