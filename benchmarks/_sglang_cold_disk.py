@@ -19,6 +19,22 @@ import _procmem as procmem  # benchmarks/, on sys.path when run as a script
 from _handover_common import PROMPT
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 900) -> None:
+    """Until the plain server at ``url`` answers /health (RuntimeError if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"SGLang server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"SGLang server at {url} not healthy after {timeout:.0f}s")
+
+
 def measure_cold_disk(args, rng: random.Random) -> list[dict]:
     """``args.repeats`` kills of a plain server (``args``: engine_handover's options)."""
     from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
@@ -34,20 +50,6 @@ def measure_cold_disk(args, rng: random.Random) -> list[dict]:
         proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         return proc, f"http://127.0.0.1:{cfg.port}"
-
-    def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"SGLang server exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"SGLang server at {url} not healthy after {timeout:.0f}s")
 
     def stream(url: str, max_tokens: int):
         body = json.dumps({"text": PROMPT, "stream": True, "sampling_params": {

@@ -41,6 +41,7 @@ from pathlib import Path
 import _procmem as procmem  # benchmarks/, on sys.path when run as a script
 import _scale_plot
 import aiohttp
+from _sglang_cold_disk import wait_healthy
 
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
@@ -149,14 +150,7 @@ def _plain_memory(args) -> dict:
     proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            try:
-                if subprocess.run(["curl", "-sf", f"http://127.0.0.1:{cfg.port}/health"], timeout=5).returncode == 0:
-                    break
-            except subprocess.SubprocessError:
-                pass
-            time.sleep(1)
+        wait_healthy(proc, f"http://127.0.0.1:{cfg.port}")
         gpu = procmem.gpu_mib()
         return {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1]}
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import random
@@ -26,11 +27,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import _procmem as procmem  # benchmarks/, on sys.path when run as a script
-import aiohttp
 from _plotting import pyplot, save_result
+from _sglang_cold_disk import wait_healthy
 from handover_at_scale import _first_diff, _stats, run_cell
 
 from belayer_engine.engine import RecoverableEngine
@@ -97,28 +99,17 @@ def plain_restart(tp: int, args, prompt: list[int]) -> dict:
     t0 = time.monotonic()
     proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-
-    async def first_token() -> float:
-        url = f"http://127.0.0.1:{cfg.port}"
-        async with aiohttp.ClientSession() as session:
-            while True:
-                try:
-                    async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                        if resp.status == 200:
-                            break
-                except (aiohttp.ClientError, OSError, TimeoutError):
-                    pass
-                if proc.poll() is not None:
-                    raise RuntimeError(f"plain tp {tp} server exited with {proc.returncode}")
-                await asyncio.sleep(0.2)
-            body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-            async with session.post(url + "/generate", json=body) as resp:
-                async for _ in resp.content:
-                    return time.monotonic() - t0
-        raise RuntimeError("no token")
-
+    url = f"http://127.0.0.1:{cfg.port}"
     try:
-        return {"tp": tp, "start_to_first_token_s": round(asyncio.run(first_token()), 2)}
+        wait_healthy(proc, url)
+        body = json.dumps({"input_ids": prompt, "stream": True,
+                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
+        req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as resp:
+            for line in resp:
+                if line.startswith(b"data:"):
+                    return {"tp": tp, "start_to_first_token_s": round(time.monotonic() - t0, 2)}
+        raise RuntimeError(f"plain tp {tp} server sent no token")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
