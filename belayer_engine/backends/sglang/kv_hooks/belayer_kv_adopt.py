@@ -12,6 +12,7 @@ import time
 from array import array
 
 import belayer_kv_arena as arena
+import belayer_kv_continue as continuations
 import belayer_kv_journal as jr
 import belayer_kv_slots as slots
 from belayer_kv_alloc import apply_plan
@@ -50,6 +51,21 @@ def patch_weight_updater(module) -> None:
     cls.resume_memory_occupation = resume_memory_occupation
 
 
+def bad_rows(slot_rows, in_reserve, rows: int, device) -> list[bool]:
+    """Per row of slots: does any lie outside the pool or in the old reserve (never the dead
+    server's own)? One device sync for all rows."""
+    import torch
+
+    if not slot_rows:
+        return []
+    flat = torch.cat(slot_rows)
+    lengths = torch.tensor([len(r) for r in slot_rows], device=device)
+    owner = torch.repeat_interleave(torch.arange(len(slot_rows), device=device), lengths, output_size=flat.numel())
+    bad = (flat < 1) | (flat >= rows) | in_reserve[flat.clamp(0, rows - 1)]
+    counts = torch.zeros(len(slot_rows), dtype=torch.int64, device=device).index_add_(0, owner, bad.to(torch.int64))
+    return [bool(c) for c in counts.cpu().tolist()]
+
+
 def warm_kernels(device) -> None:
     """Run every kind of device op an adoption runs once, on tiny tensors, in a shadow that
     waits: on a GPU the first launch of each kernel loads its module (CUDA's lazy loading,
@@ -61,8 +77,7 @@ def warm_kernels(device) -> None:
     old_reserve = torch.tensor([12, 13], dtype=torch.int64, device=device)
     in_reserve = torch.zeros(16, dtype=torch.bool, device=device)
     in_reserve[old_reserve] = True
-    bool(((idx < 1) | (idx >= 16)).any())
-    bool(in_reserve[idx.clamp(0, 15)].any())
+    bad_rows([idx, idx[:2]], in_reserve, 16, device)
     held = torch.unique(torch.cat([idx[1:3], idx[:2]]))
     everything = torch.unique(torch.cat([idx, idx]))
     own = slots.choose_reserve(16, 2, old_reserve, everything, device)
@@ -105,22 +120,28 @@ def _adopt(scheduler, source_sid: str) -> None:
     in_reserve = torch.zeros(S.rows, dtype=torch.bool, device=device)
     in_reserve[old_reserve] = True
     version = int(S.journal.header[jr.H_VERSION])
-    in_tree, touched, rows_ok, tokens = [], [], 0, 0
+    in_tree, touched, adopted, tokens = [], [], [], 0
     page_size = max(1, int(getattr(scheduler.tree_cache, "page_size", 1)))
     cut = src.cut_rows()  # rows it was writing at the kill: adopted up to the write before
     skipped = {"version": 0, "changed": 0, "slots": 0}
+    readable = []
     for row, committed, row_version in src.stable_rows():
         seq = int(src.meta[row, jr.M_SEQ])
+        prompt = int(src.meta[row, jr.M_PROMPT])
         if row_version != version:
             skipped["version"] += 1  # KV of older weights
             continue
+        if committed > table.shape[1]:
+            skipped["slots"] += 1
+            continue
         ids = src.row_tokens(row, committed, seq)
-        idx = table[row, :committed].to(device=device, dtype=torch.int64)
         if ids is None:
             skipped["changed"] += 1
             continue
-        if committed > table.shape[1] or bool(((idx < 1) | (idx >= S.rows)).any()) \
-                or bool(in_reserve[idx.clamp(0, S.rows - 1)].any()):
+        readable.append((prompt, committed, ids, table[row, :committed].to(device=device, dtype=torch.int64)))
+    untrusted = bad_rows([r[3] for r in readable], in_reserve, S.rows, device)
+    for (prompt, committed, ids, idx), bad in zip(readable, untrusted, strict=True):
+        if bad:
             skipped["slots"] += 1  # not slots the dead server could own: never trusted
             continue
         cached = scheduler.tree_cache.insert(InsertParams(key=RadixKey(array("q", ids.tolist())), value=idx.clone()))
@@ -130,8 +151,9 @@ def _adopt(scheduler, source_sid: str) -> None:
         aligned = committed // page_size * page_size
         in_tree.append(idx[cached.prefix_len:aligned])
         touched.append(idx)
-        rows_ok += 1
+        adopted.append((prompt, committed, ids))
         tokens += committed
+    rows_ok = len(adopted)
     t_rows = time.perf_counter()
     held = torch.unique(torch.cat(in_tree)) if in_tree else old_reserve[:0]
     everything = torch.unique(torch.cat(touched)) if touched else old_reserve[:0]
@@ -143,6 +165,9 @@ def _adopt(scheduler, source_sid: str) -> None:
     S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [rows_ok, tokens]
     t_plan = time.perf_counter()
     arena.call("kv_promoted", sid=S.sid, predecessor=source_sid)
+    continuations.remember(adopted)
+    S.first_arrival = S.first_launch = None
+    S.first_as_decode = False
     t_end = S.adopted_at = time.perf_counter()
     ms = {"source": t_source - t0, "rows": t_rows - t_source, "plan": t_plan - t_rows, "arena": t_end - t_plan}
     say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.numel()} slots) from {source_sid}, "

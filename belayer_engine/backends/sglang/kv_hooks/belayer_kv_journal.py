@@ -11,11 +11,12 @@ Layout (little-endian, one file):
   ``reserve`` below may be used by this server's successor), weights version in force.
 - reserve, int64[reserve length]: KV slots this server never allocates; its shadow warms up
   in them and, once promoted, allocates only there until this server is reaped.
-- meta, int64[rows, 4]: per request row ``seq`` (odd while the row is being written),
+- meta, int64[rows, 5]: per request row ``seq`` (odd while the row is being written),
   ``committed`` (tokens whose KV is written and complete), the weights ``version`` the row's
   KV was computed with, ``written`` (``committed`` as of the last write that finished: set
   after ``seq`` is even again, so a row whose writer died inside a write is still good up
-  to there; a write only appends past it).
+  to there; a write only appends past it), ``prompt`` (the request's input length: the
+  positions from there on were generated, each one the input of a decode step).
 - tokens, int32[rows, cols]: the token ids of each row's committed positions.
 
 The KV slot of each committed position is not here: it is in the server's request-to-token
@@ -30,12 +31,12 @@ import os
 import numpy as np
 
 MAGIC = 0x42454C4B56  # "BELKV"
-LAYOUT = 1
+LAYOUT = 2
 HEADER = 16
 H_MAGIC, H_LAYOUT, H_ROWS, H_COLS, H_RESERVE, H_REAPED, H_RESERVE_READY, H_VERSION = range(8)
 H_ADOPTED_ROWS, H_ADOPTED_TOKENS = 8, 9  # what this server adopted at its promotion (-1: adoption failed)
-M_SEQ, M_COMMITTED, M_VERSION, M_WRITTEN = range(4)
-META = 4
+M_SEQ, M_COMMITTED, M_VERSION, M_WRITTEN, M_PROMPT = range(5)
+META = 5
 
 
 def nbytes(rows: int, cols: int, reserve: int) -> int:
@@ -70,9 +71,11 @@ class Journal:
     def end(self, rows) -> None:
         self.meta[rows, M_SEQ] += 1  # even again, and different from before the write
 
-    def publish(self, rows, ends, version: int) -> None:
-        """Close a write begun by ``begin`` whose tokens up to ``ends`` are in place."""
+    def publish(self, rows, ends, version: int, prompts=0) -> None:
+        """Close a write begun by ``begin`` whose tokens up to ``ends`` are in place
+        (``prompts``: each row's input length)."""
         self.meta[rows, M_COMMITTED] = ends
+        self.meta[rows, M_PROMPT] = prompts
         self.meta[rows, M_VERSION] = version
         self.end(rows)
         self.meta[rows, M_WRITTEN] = ends  # last: while odd, a reader trusts only the previous write

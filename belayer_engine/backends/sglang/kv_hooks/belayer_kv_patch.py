@@ -20,6 +20,9 @@ wrapping one method as its module is imported:
 - ``SchedulerWeightUpdaterManager.resume_memory_occupation``: the tag ``belayer_adopt:<sid>``
   adopts server ``sid``'s journaled requests into this server's radix cache (the KV stays
   where it is); ``belayer_status`` only answers. Other tags go to SGLang.
+- ``TpModelWorker.forward_batch_generation``: a batch of adopted continuations' one-token
+  prefills runs as the decode step the dead server would have run (``belayer_kv_continue``);
+  ``Scheduler.handle_generate_request`` only notes when the first re-sent request arrived.
 
 The allocator's patch is ``belayer_kv_alloc``, the journal writer ``belayer_kv_writer``,
 adoption ``belayer_kv_adopt``; what this process knows is ``belayer_kv_state``. Nothing here
@@ -34,6 +37,7 @@ import time
 import belayer_kv_adopt
 import belayer_kv_alloc
 import belayer_kv_arena as arena
+import belayer_kv_continue
 import belayer_kv_journal as jr
 import belayer_kv_writer
 from belayer_kv_state import S, row_of, say
@@ -167,4 +171,6 @@ PATCHES = {
     "sglang.srt.mem_cache.allocator.token": belayer_kv_alloc.patch_allocator,
     "sglang.srt.managers.scheduler_components.batch_result_processor": belayer_kv_writer.patch_results,
     "sglang.srt.managers.scheduler_components.weight_updater": belayer_kv_adopt.patch_weight_updater,
+    "sglang.srt.managers.tp_worker": belayer_kv_continue.patch_tp_worker,
+    "sglang.srt.managers.scheduler": belayer_kv_continue.patch_scheduler,
 }

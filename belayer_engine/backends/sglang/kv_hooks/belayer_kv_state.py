@@ -26,6 +26,10 @@ class _State:
     adopted_reserve = None  # the old reserve, kept for clear() before the gate opens
     journaled = False  # the first journal write is logged once
     adopted_at: float | None = None  # perf_counter at the adoption's end, until its first batch
+    first_arrival: float | None = None  # perf_counter: the first request after the adoption reached the scheduler
+    first_launch: float | None = None  # perf_counter: the first batch after the adoption was launched
+    first_as_decode: bool = False  # that batch ran as the dead server's next decode step
+    continuations: list = []  # (prompt length, committed, token ids) of each adopted row, until re-sent
 
 
 S = _State()

@@ -33,12 +33,16 @@ def patch_results(module) -> None:
 
 def _first_after_adoption(batch) -> None:
     """Logged once: where the wait after an adoption goes (its first batch's results are
-    the continuations' next tokens)."""
-    ms = 1e3 * (time.perf_counter() - S.adopted_at)
+    the continuations' next tokens): the re-sent requests' arrival, the batch's launch, its
+    results, each in ms after the adoption."""
+    now = time.perf_counter()
+    after = {name: None if t is None else 1e3 * (t - S.adopted_at)
+             for name, t in (("arrived", S.first_arrival), ("launched", S.first_launch), ("results", now))}
     S.adopted_at = None
     cached = [int(getattr(r, "cached_tokens", 0) or 0) for r in batch.reqs]
     say(f"first batch after adoption: {len(batch.reqs)} requests, {getattr(batch, 'extend_num_tokens', '?')} "
-        f"tokens prefilled, {sum(cached)} from the cache, results {ms:.1f} ms after the adoption")
+        f"tokens prefilled ({'as a decode step' if S.first_as_decode else 'as an extend'}), {sum(cached)} from "
+        f"the cache; ms after the adoption: " + ", ".join(f"{k} {v:.1f}" for k, v in after.items() if v is not None))
 
 
 def _journal(reqs) -> None:
@@ -78,4 +82,4 @@ def _journal(reqs) -> None:
             j.tokens[row, start:min(end, n)] = origin[start:min(end, n)]
         if end > n:
             j.tokens[row, max(start, n):end] = output[max(start, n) - n:end - n]
-    j.publish(rows, ends, version)
+    j.publish(rows, ends, version, [len(origin) for origin, _ in fills])

@@ -19,6 +19,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -224,6 +225,7 @@ def test_sigkill_of_the_serving_sglang_server_mid_generation(servers):
     os.killpg(pid, signal.SIGKILL)
     for t in threads:
         t.join(START_S)
+    one_new_id = 0
     for stream in (False, True):
         status, out = results[stream]
         assert status == 200, out
@@ -243,5 +245,13 @@ def test_sigkill_of_the_serving_sglang_server_mid_generation(servers):
         # fell between a token's streaming and its journaling).
         at = meta["belayer"]["failures"][0]["at_token"]
         assert len(PROMPT) + at - 2 <= meta["belayer"]["adopted_tokens"] <= len(PROMPT) + at - 1, meta["belayer"]
+        one_new_id += meta["belayer"]["adopted_tokens"] == len(PROMPT) + at - 1
         print(f"sglang stream={stream}: pid {pid} SIGKILLed; {KILLED_LONG} ids equal to bare SGLang's; "
               f"max |logprob diff| {worst:.2e}; failed at token {meta['belayer']['failures'][0]['at_token']}")
+    # A continuation that prefilled one id ran it as the decode step the dead server would have
+    # run next (the same kernels: what keeps SGLang's deterministic mode identical); a batch
+    # that also holds a two-id prefill runs as a prefill.
+    as_decode = sum(int(m.group(1)) for log in eng.supervisor.run_dir.glob("*.log")
+                    for m in re.finditer(r"continuations run as a decode step: (\d+) requests", log.read_text(errors="replace")))
+    print(f"continuations of one new id: {one_new_id}; run as a decode step: {as_decode}")
+    assert as_decode == one_new_id or (one_new_id == 1 and as_decode == 0), (as_decode, one_new_id)

@@ -1,0 +1,102 @@
+"""An adopted request's first step runs as the decode step the dead server would have run next.
+
+The router re-sends ``prompt + generated`` ids; after an adoption all but the newest id are
+a cache hit, so SGLang schedules a one-token prefill (extend). The dead server would have
+computed that token in a decode step, and SGLang's extend and decode attention kernels sum
+in different orders: in deterministic mode the continuation then drifts from the fault-free
+ids a few tokens later. A batch whose every request is such a continuation (one new token,
+at a generated position of an adopted row, no input-token logprobs) is run by the model as
+a decode batch instead: the same kernels, the decode CUDA graph, the same numbers. The
+scheduler still sees an extend batch (its bookkeeping and results are a prefill's).
+"""
+
+from __future__ import annotations
+
+import time
+
+from belayer_kv_state import S, say
+
+TAIL = 64  # ids before the new token compared with the adopted row (the row is matched by SGLang's tree already)
+
+
+def remember(entries: list[tuple[int, int, object]]) -> None:
+    """``(prompt length, committed, token ids)`` of each adopted row."""
+    S.continuations = list(entries)
+
+
+def _match(ids, prefix: int) -> int | None:
+    """Index of the adopted row whose generated position ``prefix`` this request's new token is."""
+    for i, (prompt, committed, row_ids) in enumerate(S.continuations):
+        if prompt <= prefix <= committed and prefix >= 1:
+            lo = max(0, prefix - TAIL)
+            if list(ids[lo:prefix]) == row_ids[lo:prefix].tolist():
+                return i
+    return None
+
+
+def continues_adopted(batch) -> bool:
+    """Every request of ``batch`` is an adopted continuation's first step (then consumed)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    if batch.forward_mode != ForwardMode.EXTEND or not batch.reqs:
+        return False
+    spec = getattr(batch, "spec_algorithm", None)
+    if spec is not None and not spec.is_none():
+        return False
+    extend, prefix = batch.extend_lens, batch.prefix_lens
+    if extend is None or prefix is None or any(int(n) != 1 for n in extend):
+        return False
+    starts = batch.extend_logprob_start_lens
+    if batch.return_logprob and starts is not None and any(int(s) != int(n) for s, n in zip(starts, extend, strict=False)):
+        return False  # input-token logprobs: a prefill's output
+    if any(getattr(r, "multimodal_inputs", None) is not None for r in batch.reqs):
+        return False
+    found = [_match(r.origin_input_ids, int(p)) for r, p in zip(batch.reqs, prefix, strict=True)]
+    if any(i is None for i in found):
+        return False
+    for i in sorted(set(found), reverse=True):
+        del S.continuations[i]
+    return True
+
+
+def patch_tp_worker(module) -> None:
+    cls = module.TpModelWorker
+    forward = cls.forward_batch_generation
+
+    def forward_batch_generation(self, batch=None, *args, **kwargs):
+        if S.adopted_at is not None and S.first_launch is None:
+            S.first_launch = time.perf_counter()
+        if batch is None or not S.continuations or not continues_adopted(batch):
+            return forward(self, batch, *args, **kwargs)
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        mode, batch.forward_mode = batch.forward_mode, ForwardMode.DECODE
+        try:
+            out = forward(self, batch, *args, **kwargs)
+        except Exception as exc:  # this SGLang's decode path refuses an extend's batch: prefill it, as without
+            S.continuations = []
+            say(f"adopted continuations prefilled instead: the decode step failed: {type(exc).__name__}: {exc}")
+            out = None
+        finally:
+            batch.forward_mode = mode
+        if out is None:
+            return forward(self, batch, *args, **kwargs)
+        if S.adopted_at is not None:
+            S.first_as_decode = True
+        say(f"adopted continuations run as a decode step: {len(batch.reqs)} requests")
+        return out
+
+    cls.forward_batch_generation = forward_batch_generation
+
+
+def patch_scheduler(module) -> None:
+    """When the first request after an adoption reaches the scheduler (the log's timeline)."""
+    cls = module.Scheduler
+    handle = cls.handle_generate_request
+
+    def handle_generate_request(self, *args, **kwargs):
+        if S.adopted_at is not None and S.first_arrival is None:
+            S.first_arrival = time.perf_counter()
+        return handle(self, *args, **kwargs)
+
+    cls.handle_generate_request = handle_generate_request
