@@ -21,7 +21,7 @@ TAIL = 64  # ids before the new token compared with the adopted row (the row is 
 
 def remember(entries: list[tuple[int, int, object]]) -> None:
     """``(prompt length, committed, token ids)`` of each adopted row."""
-    S.continuations = list(entries)
+    S.continuations, S.continued = list(entries), 0
 
 
 def _match(ids, prefix: int) -> int | None:
@@ -35,28 +35,39 @@ def _match(ids, prefix: int) -> int | None:
 
 
 def continues_adopted(batch) -> bool:
-    """Every request of ``batch`` is an adopted continuation's first step (then consumed)."""
+    """Every request of ``batch`` is an adopted continuation's first step (then consumed).
+    A prefill batch that is not says why in the log while continuations are pending."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     if batch.forward_mode != ForwardMode.EXTEND or not batch.reqs:
+        if batch.reqs and not batch.forward_mode.is_decode_or_idle():
+            say(f"a batch of {len(batch.reqs)} requests runs as {batch.forward_mode.name}, not as a decode step")
         return False
+    why = _not_a_continuation(batch)
+    if why:
+        say(f"a prefill of {len(batch.reqs)} requests runs as an extend: {why}")
+        return False
+    return True
+
+
+def _not_a_continuation(batch) -> str | None:
     spec = getattr(batch, "spec_algorithm", None)
     if spec is not None and not spec.is_none():
-        return False
+        return "speculative decoding"
     extend, prefix = batch.extend_lens, batch.prefix_lens
     if extend is None or prefix is None or any(int(n) != 1 for n in extend):
-        return False
+        return f"new ids per request {list(extend or [])[:8]}"
     starts = batch.extend_logprob_start_lens
     if batch.return_logprob and starts is not None and any(int(s) != int(n) for s, n in zip(starts, extend, strict=False)):
-        return False  # input-token logprobs: a prefill's output
+        return "input-token logprobs asked"  # a prefill's output
     if any(getattr(r, "multimodal_inputs", None) is not None for r in batch.reqs):
-        return False
+        return "multimodal inputs"
     found = [_match(r.origin_input_ids, int(p)) for r, p in zip(batch.reqs, prefix, strict=True)]
     if any(i is None for i in found):
-        return False
+        return f"not at a generated position of an adopted row (cached {list(prefix)[:8]})"
     for i in sorted(set(found), reverse=True):
         del S.continuations[i]
-    return True
+    return None
 
 
 def patch_tp_worker(module) -> None:
@@ -83,7 +94,9 @@ def patch_tp_worker(module) -> None:
             return forward(self, batch, *args, **kwargs)
         if S.adopted_at is not None:
             S.first_as_decode = True
-        say(f"adopted continuations run as a decode step: {len(batch.reqs)} requests")
+        S.continued += len(batch.reqs)
+        say(f"adopted continuations run as a decode step: {len(batch.reqs)} requests ({S.continued} since the "
+            f"adoption, {len(S.continuations)} to come)")
         return out
 
     cls.forward_batch_generation = forward_batch_generation

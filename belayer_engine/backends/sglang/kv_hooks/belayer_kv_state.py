@@ -30,6 +30,7 @@ class _State:
     first_launch: float | None = None  # perf_counter: the first batch after the adoption was launched
     first_as_decode: bool = False  # that batch ran as the dead server's next decode step
     continuations: list = []  # (prompt length, committed, token ids) of each adopted row, until re-sent
+    continued = 0  # adopted continuations run as a decode step since the adoption
 
 
 S = _State()
