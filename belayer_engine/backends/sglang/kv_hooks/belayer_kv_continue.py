@@ -17,11 +17,15 @@ import time
 from belayer_kv_state import S, say
 
 TAIL = 64  # ids before the new token compared with the adopted row (the row is matched by SGLang's tree already)
+# The router re-sends every in-flight request at the promotion; one not back by then never
+# comes (its client left): forgotten, so prefills stop being matched and logged against it.
+WAIT_S = 60.0
 
 
 def remember(entries: list[tuple[int, int, object]]) -> None:
     """``(prompt length, committed, token ids)`` of each adopted row."""
     S.continuations, S.continued = list(entries), 0
+    S.continuations_until = time.monotonic() + WAIT_S
 
 
 def _match(ids, prefix: int) -> int | None:
@@ -77,6 +81,9 @@ def patch_tp_worker(module) -> None:
     def forward_batch_generation(self, batch=None, *args, **kwargs):
         if S.adopted_at is not None and S.first_launch is None:
             S.first_launch = time.perf_counter()
+        if S.continuations and time.monotonic() > S.continuations_until:
+            say(f"{len(S.continuations)} adopted requests not re-sent within {WAIT_S:.0f} s: no longer awaited")
+            S.continuations = []
         if batch is None or not S.continuations or not continues_adopted(batch):
             return forward(self, batch, *args, **kwargs)
         from sglang.srt.model_executor.forward_batch_info import ForwardMode

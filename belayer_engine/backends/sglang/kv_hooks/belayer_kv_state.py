@@ -31,6 +31,7 @@ class _State:
     first_as_decode: bool = False  # that batch ran as the dead server's next decode step
     continuations: list = []  # (prompt length, committed, token ids) of each adopted row, until re-sent
     continued = 0  # adopted continuations run as a decode step since the adoption
+    continuations_until = 0.0  # time.monotonic() after which the ones not re-sent are forgotten
 
 
 S = _State()
