@@ -81,8 +81,15 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
         t_kill = None
         if kill_after is not None:
             while min(len(r.get("ids", [])) for r in recs) < kill_after:
-                if any(t.done() for t in tasks):
-                    raise RuntimeError("a request ended before the kill point")
+                ended = [(t, r) for t, r in zip(tasks, recs, strict=True) if t.done()]
+                if ended:
+                    for t in tasks:
+                        t.cancel()
+                    task, rec = ended[0]
+                    why = (task.exception() if not task.cancelled() else None) or \
+                        f"finished after {len(rec.get('ids', []))} ids: {rec.get('meta', {}).get('finish_reason')}"
+                    raise RuntimeError(f"a request ended before the kill point at {kill_after} ids ({why}); "
+                                       "is the KV pool large enough for the cell?")
                 await asyncio.sleep(0.002)
             t_kill = time.monotonic()
             if kill is None:

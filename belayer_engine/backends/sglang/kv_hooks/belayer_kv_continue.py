@@ -24,8 +24,9 @@ WAIT_S = 60.0
 
 def remember(entries: list[tuple[int, int, object]]) -> None:
     """``(prompt length, committed, token ids)`` of each adopted row."""
-    S.continuations, S.continued = list(entries), 0
+    S.continuations, S.continued, S.arrivals = list(entries), 0, []
     S.continuations_until = time.monotonic() + WAIT_S
+    S.adoption_end = time.perf_counter()
 
 
 def _match(ids, prefix: int) -> int | None:
@@ -102,21 +103,31 @@ def patch_tp_worker(module) -> None:
         if S.adopted_at is not None:
             S.first_as_decode = True
         S.continued += len(batch.reqs)
+        arrived, S.arrivals = S.arrivals, []
         say(f"adopted continuations run as a decode step: {len(batch.reqs)} requests ({S.continued} since the "
-            f"adoption, {len(S.continuations)} to come)")
+            f"adoption, {len(S.continuations)} to come); requests arrived since the last step at "
+            f"{_ms_list(arrived)} ms after the adoption")
         return out
 
     cls.forward_batch_generation = forward_batch_generation
 
 
+def _ms_list(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.0f}" for v in values) + "]"
+
+
 def patch_scheduler(module) -> None:
-    """When the first request after an adoption reaches the scheduler (the log's timeline)."""
+    """When requests after an adoption reach the scheduler (the log's timeline): the first
+    one, and each one while adopted continuations are awaited."""
     cls = module.Scheduler
     handle = cls.handle_generate_request
 
     def handle_generate_request(self, *args, **kwargs):
+        now = time.perf_counter()
         if S.adopted_at is not None and S.first_arrival is None:
-            S.first_arrival = time.perf_counter()
+            S.first_arrival = now
+        if S.continuations and S.adoption_end is not None:
+            S.arrivals.append(1e3 * (now - S.adoption_end))
         return handle(self, *args, **kwargs)
 
     cls.handle_generate_request = handle_generate_request

@@ -71,9 +71,9 @@ class Journal:
     def end(self, rows) -> None:
         self.meta[rows, M_SEQ] += 1  # even again, and different from before the write
 
-    def publish(self, rows, ends, version: int, prompts=0) -> None:
+    def publish(self, rows, ends, version: int, prompts) -> None:
         """Close a write begun by ``begin`` whose tokens up to ``ends`` are in place
-        (``prompts``: each row's input length)."""
+        (``prompts``: each row's input length; only positions past it count as generated)."""
         self.meta[rows, M_COMMITTED] = ends
         self.meta[rows, M_PROMPT] = prompts
         self.meta[rows, M_VERSION] = version

@@ -32,6 +32,8 @@ class _State:
     continuations: list = []  # (prompt length, committed, token ids) of each adopted row, until re-sent
     continued = 0  # adopted continuations run as a decode step since the adoption
     continuations_until = 0.0  # time.monotonic() after which the ones not re-sent are forgotten
+    adoption_end: float | None = None  # perf_counter at the adoption's end (kept while continuations are awaited)
+    arrivals: list = []  # ms after the adoption at which requests reached the scheduler, not yet logged
 
 
 S = _State()

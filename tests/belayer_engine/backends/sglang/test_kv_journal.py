@@ -25,7 +25,7 @@ done = os.fdopen({ready_fd}, "w")
 # row 1: complete; row 2: complete, then rewritten and killed inside the write
 for row, n in ((1, 5), (2, 7)):
     j.begin([row]); j.tokens[row, :n] = range(100 * row, 100 * row + n)
-    j.publish([row], [n], 3)
+    j.publish([row], [n], 3, [2])
 j.begin([2]); j.tokens[2, 7:9] = [-1, -1]; j.meta[[2], jr.M_COMMITTED] = 9
 if {stage!r} == "invalidate":
     j.meta[[2], jr.M_WRITTEN] = 0; j.begin([2])  # inside an invalidation instead
@@ -73,7 +73,7 @@ def test_a_row_its_writer_died_inside_an_invalidation_is_never_adopted(journal):
 def test_a_row_changed_while_copied_is_refused(journal):
     journal.begin([1])
     journal.tokens[1, :3] = [7, 8, 9]
-    journal.publish([1], [3], 3)
+    journal.publish([1], [3], 3, [1])
     seq = int(journal.meta[1, jr.M_SEQ])
     journal.invalidate([1])  # freed (and maybe rewritten) after the reader took seq
     assert journal.row_tokens(1, 3, seq) is None
@@ -83,7 +83,7 @@ def test_a_row_changed_while_copied_is_refused(journal):
 def test_freed_rows_are_invalidated_and_a_cleared_pool_has_no_rows(journal):
     for row in (1, 2, 3):
         journal.begin([row])
-        journal.publish([row], [row], 3)
+        journal.publish([row], [row], 3, [1])
     journal.invalidate([2])
     assert [r for r, _, _ in journal.stable_rows()] == [1, 3]
     journal.invalidate(slice(None))
