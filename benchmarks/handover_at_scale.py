@@ -171,6 +171,8 @@ def run_mode(mode: str, args, result: dict, save) -> None:
     worker_args = (["--context-length", str(args.context)] if args.context else []) + \
         (["--max-running-requests", str(args.max_running)] if args.max_running else []) + args.worker_arg
     sizes = {"sglang_kv_tokens": args.kv_tokens} if args.kv_tokens else {}
+    if args.kv_reserve is not None and options.get("sglang_kv") == "arena":  # the other modes have no reserve
+        sizes["sglang_kv_reserve_tokens"] = args.kv_reserve
     rng = random.Random(args.seed)
     t0 = time.monotonic()
     with RecoverableEngine.launch(backend="sglang", device=args.device, model=args.model_dir, router=router,
@@ -233,6 +235,8 @@ def main() -> None:
     p.add_argument("--cells", type=_cells, default=_cells("128x1,1024x4"), help="CONTEXTxINFLIGHT,...")
     p.add_argument("--kv-tokens", type=int, default=None, help="the KV pool (every server's --max-total-tokens); "
                    "default: the engine's (GPU: 0.8 of the device after the weights; CPU: 4,096)")
+    p.add_argument("--kv-reserve", type=int, default=None, help="adopt mode: the pool's reserve beside it "
+                   "(sglang_kv_reserve_tokens; default: the engine's, 1/64 of the pool within [512, 4,096])")
     p.add_argument("--context", type=int, default=None, help="the servers' --context-length (default: the engine's)")
     p.add_argument("--max-running", type=int, default=None, help="--max-running-requests (default: the engine's)")
     p.add_argument("--max-new", type=int, default=64)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import belayer_kv_timeline as timeline
 from belayer_kv_state import S, say
 
 TAIL = 64  # ids before the new token compared with the adopted row (the row is matched by SGLang's tree already)
@@ -27,6 +28,7 @@ def remember(entries: list[tuple[int, int, object]]) -> None:
     S.continuations, S.continued, S.arrivals = list(entries), 0, []
     S.continuations_until = time.monotonic() + WAIT_S
     S.adoption_end = time.perf_counter()
+    S.loop_passes, S.loop_gap, S.loop_last, S.loop_logged = 0, 0.0, None, False
 
 
 def _match(ids, prefix: int) -> int | None:
@@ -120,14 +122,22 @@ def patch_scheduler(module) -> None:
     """When requests after an adoption reach the scheduler (the log's timeline): the first
     one, and each one while adopted continuations are awaited."""
     cls = module.Scheduler
-    handle = cls.handle_generate_request
+    handle, take_in = cls.handle_generate_request, cls.process_input_requests
 
-    def handle_generate_request(self, *args, **kwargs):
+    def process_input_requests(self, *args, **kwargs):
+        timeline.note_scheduler_pass()
+        return take_in(self, *args, **kwargs)
+
+    def handle_generate_request(self, recv_req, *args, **kwargs):
+        if timeline.is_health_check(getattr(recv_req, "rid", None)):  # SGLang's /health, not a client's
+            return handle(self, recv_req, *args, **kwargs)
         now = time.perf_counter()
+        timeline.log_first_arrival()
         if S.adopted_at is not None and S.first_arrival is None:
             S.first_arrival = now
         if S.continuations and S.adoption_end is not None:
             S.arrivals.append(1e3 * (now - S.adoption_end))
-        return handle(self, *args, **kwargs)
+        return handle(self, recv_req, *args, **kwargs)
 
     cls.handle_generate_request = handle_generate_request
+    cls.process_input_requests = process_input_requests

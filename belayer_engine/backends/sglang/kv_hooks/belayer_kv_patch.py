@@ -22,7 +22,9 @@ wrapping one method as its module is imported:
   where it is); ``belayer_status`` only answers. Other tags go to SGLang.
 - ``TpModelWorker.forward_batch_generation``: a batch of adopted continuations' one-token
   prefills runs as the decode step the dead server would have run (``belayer_kv_continue``);
-  ``Scheduler.handle_generate_request`` only notes when the first re-sent request arrived.
+  ``Scheduler.handle_generate_request`` / ``process_input_requests`` and
+  ``TokenizerManager.generate_request`` / ``resume_memory_occupation`` only note when the
+  re-sent requests arrived (``belayer_kv_timeline``: log lines).
 
 The allocator's patch is ``belayer_kv_alloc``, the journal writer ``belayer_kv_writer``,
 adoption ``belayer_kv_adopt``; what this process knows is ``belayer_kv_state``. Nothing here
@@ -39,6 +41,7 @@ import belayer_kv_alloc
 import belayer_kv_arena as arena
 import belayer_kv_continue
 import belayer_kv_journal as jr
+import belayer_kv_timeline
 import belayer_kv_writer
 from belayer_kv_state import S, row_of, say
 
@@ -173,4 +176,5 @@ PATCHES = {
     "sglang.srt.managers.scheduler_components.weight_updater": belayer_kv_adopt.patch_weight_updater,
     "sglang.srt.managers.tp_worker": belayer_kv_continue.patch_tp_worker,
     "sglang.srt.managers.scheduler": belayer_kv_continue.patch_scheduler,
+    "sglang.srt.managers.tokenizer_manager": belayer_kv_timeline.patch_tokenizer_manager,
 }

@@ -34,6 +34,10 @@ class _State:
     continuations_until = 0.0  # time.monotonic() after which the ones not re-sent are forgotten
     adoption_end: float | None = None  # perf_counter at the adoption's end (kept while continuations are awaited)
     arrivals: list = []  # ms after the adoption at which requests reached the scheduler, not yet logged
+    loop_passes = 0  # scheduler loop passes between the adoption and the first request after it
+    loop_gap = 0.0  # the longest time between two of those passes (s)
+    loop_last: float | None = None
+    loop_logged = True  # the first request after the adoption was logged (or no adoption yet)
 
 
 S = _State()

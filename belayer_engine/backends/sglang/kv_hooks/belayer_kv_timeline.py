@@ -1,0 +1,76 @@
+"""Where the wait after an adoption goes, in the server's own processes (log lines only).
+
+After an adoption the re-sent requests reach the scheduler tens of ms later on a GPU. Two
+places can hold them: the HTTP side (SGLang's tokenizer manager, its own process, which
+receives each request and passes it to the scheduler) and the scheduler's loop (which
+takes requests in only between passes). So the tokenizer manager logs when each request
+reached it after the adoption's reply went out, and the scheduler how many loop passes it
+made before the first request, and the longest gap between two.
+"""
+
+from __future__ import annotations
+
+import time
+
+from belayer_kv_state import S, say
+
+ADOPT_TAG = "belayer_adopt:"
+HEALTH_RID = "HEALTH_CHECK"  # SGLang's /health runs a one-token generate of this rid prefix (not a client's)
+LOGGED_REQUESTS = 64  # arrivals logged after an adoption (every in-flight request of a full batch)
+LOGGED_FOR_S = 5.0
+
+
+class _Http:
+    replied_at: float | None = None  # perf_counter when the adoption's reply was sent
+    arrivals = 0
+
+
+def patch_tokenizer_manager(module) -> None:
+    """Log lines only: an SGLang whose tokenizer manager has other names serves unpatched."""
+    cls = getattr(module, "TokenizerManager", None)
+    resume, generate = getattr(cls, "resume_memory_occupation", None), getattr(cls, "generate_request", None)
+    if resume is None or generate is None:
+        say("http timeline off: this SGLang's TokenizerManager has no resume_memory_occupation/generate_request")
+        return
+
+    async def resume_memory_occupation(self, obj, *args, **kwargs):
+        out = await resume(self, obj, *args, **kwargs)
+        if any(isinstance(t, str) and t.startswith(ADOPT_TAG) for t in (getattr(obj, "tags", None) or ())):
+            _Http.replied_at, _Http.arrivals = time.perf_counter(), 0
+        return out
+
+    def generate_request(self, obj, *args, **kwargs):
+        if _Http.replied_at is not None and not is_health_check(getattr(obj, "rid", None)):
+            after = time.perf_counter() - _Http.replied_at
+            _Http.arrivals += 1
+            say(f"http: request {_Http.arrivals} after the adoption reached the server {1e3 * after:.1f} ms "
+                "after the adoption's reply")
+            if _Http.arrivals >= LOGGED_REQUESTS or after > LOGGED_FOR_S:
+                _Http.replied_at = None
+        return generate(self, obj, *args, **kwargs)
+
+    cls.resume_memory_occupation = resume_memory_occupation
+    cls.generate_request = generate_request
+
+
+def is_health_check(rid) -> bool:
+    return isinstance(rid, str) and rid.startswith(HEALTH_RID)
+
+
+def note_scheduler_pass() -> None:
+    """One pass of the scheduler's loop (it takes in requests at each), counted between the
+    adoption and the first request after it."""
+    if S.adoption_end is None or S.loop_logged:
+        return
+    now = time.perf_counter()
+    S.loop_passes += 1
+    S.loop_gap = max(S.loop_gap, now - (S.loop_last or S.adoption_end))
+    S.loop_last = now
+
+
+def log_first_arrival() -> None:
+    if S.adoption_end is None or S.loop_logged:
+        return
+    S.loop_logged = True
+    say(f"scheduler: the first request after the adoption came after {S.loop_passes} loop passes, the "
+        f"longest {1e3 * S.loop_gap:.1f} ms apart")
