@@ -53,7 +53,7 @@ RESIDENT_KV_MIB = 768
 # Per-thread stack of each GPU server's scheduler (0: the driver's 1 KiB). 256 saves ~200 MiB per
 # server on an H200 (measured: 1,868 -> 1,670 MiB, same greedy ids); see gpu_hooks/README.md.
 DEFAULT_CUDA_STACK_BYTES = 256
-ADOPT_TAG = "belayer_adopt:"  # kv_hooks/belayer_kv_patch.py: adopt that server's journaled requests
+ADOPT_TAG = "belayer_adopt:"  # kv_hooks/belayer_kv_state.py (inside the server): adopt that server's journaled requests
 SGLANG_TITLE = "sglang::"  # SGLang names its processes so (setproctitle)
 PREFILL_GRAPH_FLAGS = ("--cuda-graph-max-bs-prefill", "--piecewise-cuda-graph-max-tokens", "--disable-prefill-cuda-graph")
 

@@ -16,10 +16,9 @@ import belayer_kv_continue as continuations
 import belayer_kv_journal as jr
 import belayer_kv_slots as slots
 from belayer_kv_alloc import apply_plan
-from belayer_kv_state import S, say, source_reaped
+from belayer_kv_state import ADOPT_TAG, STATUS_TAG, S, say, source_reaped
 
 log = logging.getLogger("belayer.kv")
-ADOPT_TAG, STATUS_TAG = "belayer_adopt:", "belayer_status"
 
 
 def patch_weight_updater(module) -> None:

@@ -28,7 +28,7 @@ def remember(entries: list[tuple[int, int, object]]) -> None:
     S.continuations, S.continued, S.arrivals = list(entries), 0, []
     S.continuations_until = time.monotonic() + WAIT_S
     S.adoption_end = time.perf_counter()
-    S.loop_passes, S.loop_gap, S.loop_last, S.loop_logged = 0, 0.0, None, False
+    S.loop_passes, S.loop_gap, S.loop_last = 0, 0.0, None
 
 
 def _match(ids, prefix: int) -> int | None:
@@ -132,9 +132,9 @@ def patch_scheduler(module) -> None:
         if timeline.is_health_check(getattr(recv_req, "rid", None)):  # SGLang's /health, not a client's
             return handle(self, recv_req, *args, **kwargs)
         now = time.perf_counter()
-        timeline.log_first_arrival()
         if S.adopted_at is not None and S.first_arrival is None:
             S.first_arrival = now
+            timeline.log_first_arrival()
         if S.continuations and S.adoption_end is not None:
             S.arrivals.append(1e3 * (now - S.adoption_end))
         return handle(self, recv_req, *args, **kwargs)

@@ -8,6 +8,10 @@ import sys
 
 import belayer_kv_journal as jr
 
+# /resume_memory_occupation tags (backend.py sends them): adopt that server's journaled
+# requests; only answer (the adoption's status)
+ADOPT_TAG, STATUS_TAG = "belayer_adopt:", "belayer_status"
+
 
 class _State:
     sid = os.environ.get("BELAYER_KV_SID", "")
@@ -37,7 +41,6 @@ class _State:
     loop_passes = 0  # scheduler loop passes between the adoption and the first request after it
     loop_gap = 0.0  # the longest time between two of those passes (s)
     loop_last: float | None = None
-    loop_logged = True  # the first request after the adoption was logged (or no adoption yet)
 
 
 S = _State()

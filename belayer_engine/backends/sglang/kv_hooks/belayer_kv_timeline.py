@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import time
 
-from belayer_kv_state import S, say
+from belayer_kv_state import ADOPT_TAG, S, say
 
-ADOPT_TAG = "belayer_adopt:"
 HEALTH_RID = "HEALTH_CHECK"  # SGLang's /health runs a one-token generate of this rid prefix (not a client's)
 LOGGED_REQUESTS = 64  # arrivals logged after an adoption (every in-flight request of a full batch)
 LOGGED_FOR_S = 5.0
@@ -60,17 +59,15 @@ def is_health_check(rid) -> bool:
 def note_scheduler_pass() -> None:
     """One pass of the scheduler's loop (it takes in requests at each), counted between the
     adoption and the first request after it."""
-    if S.adoption_end is None or S.loop_logged:
+    if S.adopted_at is None or S.first_arrival is not None:
         return
     now = time.perf_counter()
     S.loop_passes += 1
-    S.loop_gap = max(S.loop_gap, now - (S.loop_last or S.adoption_end))
+    S.loop_gap = max(S.loop_gap, now - (S.loop_last or S.adopted_at))
     S.loop_last = now
 
 
 def log_first_arrival() -> None:
-    if S.adoption_end is None or S.loop_logged:
-        return
-    S.loop_logged = True
+    """Once per adoption, as its first request reaches the scheduler."""
     say(f"scheduler: the first request after the adoption came after {S.loop_passes} loop passes, the "
         f"longest {1e3 * S.loop_gap:.1f} ms apart")
