@@ -78,7 +78,7 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         tasks = [asyncio.create_task(_stream(session, base, p, max_new, r)) for p, r in zip(prompts, recs, strict=True)]
-        t_kill = None
+        t_kill = t_kill_wall = None
         if kill_after is not None:
             while min(len(r.get("ids", [])) for r in recs) < kill_after:
                 ended = [(t, r) for t, r in zip(tasks, recs, strict=True) if t.done()]
@@ -91,7 +91,7 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
                     raise RuntimeError(f"a request ended before the kill point at {kill_after} ids ({why}); "
                                        "is the KV pool large enough for the cell?")
                 await asyncio.sleep(0.002)
-            t_kill = time.monotonic()
+            t_kill, t_kill_wall = time.monotonic(), time.time()
             if kill is None:
                 os.killpg(engine.worker_pid(0), signal.SIGKILL)
             else:
@@ -107,6 +107,11 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
             r["at_kill"] = max([n for t, n in r["chunks"] if t <= t_kill], default=0)
             after = [t for t, n in r["chunks"] if t > t_kill and n > at]
             r["next_token_s"] = (after[0] - t_kill) if after else None
+            # the router's side of the wait (wall clock, s after the kill): failure seen, re-sent,
+            # the replacement's first token at the router
+            r["router_s"] = {name: failures[0][key] - t_kill_wall for name, key in
+                             (("seen", "t"), ("resent", "resent_t"), ("first_token", "first_token_t"))
+                             if isinstance(failures[0].get(key), float)}
     return recs
 
 
@@ -151,9 +156,12 @@ def _plain_memory(args) -> dict:
     from belayer_engine.common.net import free_port
 
     model = args.model_dir or str(ensure_embedded_model())
-    pool = args.plain_pool  # the engine's own sizes: the same KV pool, context and batch
+    # the engine's own sizes (the same KV pool, context and batch) and the workers' own flags
+    # (SGLang's deterministic mode takes more per server: a worker of 2,478 MiB with it, 1,978
+    # without, on H100s of two calls)
+    pool = args.plain_pool
     cfg = SGLangServerConfig(model_path=model, port=free_port(), device=args.device, venv=args.sglang_venv,
-                             max_total_tokens=pool["kv_tokens"], extra_args=pool["argv"])
+                             max_total_tokens=pool["kv_tokens"], extra_args=pool["argv"] + args.worker_arg)
     proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -193,12 +201,17 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(inflight)]
             reference = asyncio.run(run_cell(engine, prompts, args.max_new, None))
             engine.wait_ready(timeout=900, stable=True)
+            # the fault-free run's time between two ids at the client: one decode step of the cell
+            gaps = [b[0] - a[0] for r in reference for a, b in zip(r["chunks"][1:], r["chunks"][2:], strict=False)]
+            entry.setdefault("decode_step_s", {})[f"{context}x{inflight}"] = _stats(gaps)
             for kill_after in args.kill_after:
                 key = f"{context}x{inflight}" + (f"@{kill_after}" if len(args.kill_after) > 1 else "")
                 entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen)
                 entry["cells"][key].update(context=context, inflight=inflight)
-                print(f"{mode} {key}: next token {entry['cells'][key]['next_token_s']}, "
-                      f"identical {entry['cells'][key]['identical']}/{inflight}", flush=True)
+                cell = entry["cells"][key]
+                router = {k: (v.get("p50"), v.get("max")) for k, v in cell["router_s"].items()}
+                print(f"{mode} {key}: next token {cell['next_token_s']}, identical {cell['identical']}/{inflight}; "
+                      f"router (p50, max s after the kill) {router}", flush=True)
             save()
 
 
@@ -214,8 +227,10 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
         belayer = k["meta"].get("belayer") or {}
         per.append({"next_token_s": k["next_token_s"], "at_kill": k["at_kill"], "at_failure": k["at_failure"],
                     "first_diff": _first_diff(k["ids"], r["ids"]), "adopted_tokens": belayer.get("adopted_tokens"),
-                    "reprefilled_tokens": belayer.get("reprefilled_tokens"), "recoveries": belayer.get("recoveries")})
-    return {"kill_after": kill_after, "next_token_s": _stats([p["next_token_s"] for p in per]),
+                    "reprefilled_tokens": belayer.get("reprefilled_tokens"), "recoveries": belayer.get("recoveries"),
+                    "router_s": k.get("router_s", {})})
+    router = {name: _stats([p["router_s"].get(name) for p in per]) for name in ("seen", "resent", "first_token")}
+    return {"kill_after": kill_after, "next_token_s": _stats([p["next_token_s"] for p in per]), "router_s": router,
             "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
             "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
                        for e in events[detected:detected + 12]],  # detection, fence, promotion, routing

@@ -139,6 +139,7 @@ class Continuation:
                 replaying = after_worker_failure
                 if replaying:
                     endpoint.replaying += 1
+                    gen.failures[-1]["resent_t"] = time.time()  # where a recovery's wait goes, per request
                     gen.reprefilled += keep
                     gen.replayed += skip if replay else 0
                 progressed = False
@@ -155,6 +156,7 @@ class Continuation:
                             if replaying and not progressed and (chunk.ids or chunk.finish):
                                 progressed = True
                                 endpoint.replaying -= 1
+                                gen.failures[-1]["first_token_t"] = time.time()
                                 cached = chunk.meta.get("cached_tokens")  # SGLang: this attempt's prefix-cache hit
                                 if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0:
                                     gen.adopted += cached

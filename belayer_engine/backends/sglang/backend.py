@@ -13,9 +13,10 @@ their KV (``belayer_adopt``), so the router's re-sent ``prompt + generated`` ids
 prefix-cache hit and only the last token is prefilled. ``"server"``: each server owns its KV,
 as below (the shadow's KV resident, or released by the memory saver).
 
-What a shadow does before it waits: a warm-up (two short greedy requests: every kernel of
-a prefill and a decode is loaded and compiled, so the first request after promotion pays
-none of it), then, on a GPU with ``torch_memory_saver`` in SGLang's environment, it
+What a shadow does before it waits: a warm-up (short greedy requests, streamed as the
+router sends them: every kernel of a prefill and a decode is loaded and compiled, and
+SGLang's HTTP side has streamed an answer, so the first request after promotion pays none
+of it), then, on a GPU with ``torch_memory_saver`` in SGLang's environment, it
 releases its KV cache (``shadow_memory_saver``: None = where available and the KV pool is
 over ``RESIDENT_KV_MIB``, True = required, False = off). Its CUDA graphs stay resident (decode, and prefill up to 128 tokens: a
 re-prefill of a short request takes the graph path) unless ``shadow_release_graphs``;
@@ -250,13 +251,17 @@ class SGLangBackend:
     async def _warm_request(self, session, url: str, ids: list[int], timeout: float) -> None:
         import aiohttp
 
-        body = {"input_ids": ids, "stream": False,
+        # Streamed, as the router sends: the first streamed answer of an SGLang server costs
+        # ~12 ms more than the next ones (its HTTP side), and must not be the handover's.
+        body = {"input_ids": ids, "stream": True,
                 "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
         try:
             async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:  # e.g. a context length under the prompt: warm what fits
                     log.warning("%s: warm-up of %d tokens answered %d: %s", url, len(ids), resp.status,
                                 (await resp.text())[:200])
+                else:
+                    await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise WorkerLost(f"{url} warm-up failed: {exc!r}") from exc
 

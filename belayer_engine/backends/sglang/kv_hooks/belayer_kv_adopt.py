@@ -7,6 +7,7 @@ row computed with older weights is skipped."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from array import array
@@ -32,13 +33,11 @@ def patch_weight_updater(module) -> None:
             return resume(self, recv_req)
         for tag in ours:
             if tag.startswith(ADOPT_TAG):
-                try:
-                    _adopt(self.scheduler, tag[len(ADOPT_TAG):])
-                except Exception as exc:  # never the scheduler's end: adopt nothing, the router re-prefills
-                    log.exception("belayer kv: adoption failed")
-                    _undo(self.scheduler)
-                    say(f"adoption failed, nothing adopted: {type(exc).__name__}: {exc}")
-                    S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [-1, 0]
+                # Answered at once, adopted right after this pass's inputs are taken in (the
+                # scheduler's process_input_requests) and before any batch is formed: the
+                # router's re-sent requests cross SGLang's HTTP side meanwhile (tens of ms on
+                # a GPU, as long as the adoption's wait for the device).
+                S.pending_adoption = functools.partial(adopt_or_nothing, self.scheduler, tag[len(ADOPT_TAG):])
         rest = [t for t in tags if t not in ours]
         if rest:
             recv_req.tags = rest
@@ -48,6 +47,16 @@ def patch_weight_updater(module) -> None:
         return ResumeMemoryOccupationReqOutput()
 
     cls.resume_memory_occupation = resume_memory_occupation
+
+
+def adopt_or_nothing(scheduler, source_sid: str) -> None:
+    try:
+        _adopt(scheduler, source_sid)
+    except Exception as exc:  # never the scheduler's end: adopt nothing, the router re-prefills
+        log.exception("belayer kv: adoption failed")
+        _undo(scheduler)
+        say(f"adoption failed, nothing adopted: {type(exc).__name__}: {exc}")
+        S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [-1, 0]
 
 
 def bad_rows(slot_rows, in_reserve, rows: int, device) -> list[bool]:

@@ -18,13 +18,19 @@ wrapping one method as its module is imported:
   processed a batch's results (its forward is complete), each running request's row is
   journaled: its token ids and how many positions have complete KV;
 - ``SchedulerWeightUpdaterManager.resume_memory_occupation``: the tag ``belayer_adopt:<sid>``
-  adopts server ``sid``'s journaled requests into this server's radix cache (the KV stays
-  where it is); ``belayer_status`` only answers. Other tags go to SGLang.
+  is answered at once and adopts server ``sid``'s journaled requests into this server's
+  radix cache (the KV stays where it is) as soon as ``Scheduler.process_input_requests``
+  has taken in that pass's inputs, before any batch is formed; ``belayer_status`` only
+  answers. Other tags go to SGLang.
 - ``TpModelWorker.forward_batch_generation``: a batch of adopted continuations' one-token
   prefills runs as the decode step the dead server would have run (``belayer_kv_continue``);
-  ``Scheduler.handle_generate_request`` / ``process_input_requests`` and
-  ``TokenizerManager.generate_request`` / ``resume_memory_occupation`` only note when the
-  re-sent requests arrived (``belayer_kv_timeline``: log lines).
+  ``Scheduler._get_new_batch_prefill_raw`` forms no prefill batch while the adopted
+  requests are still arriving (at most 25 ms after the first), so they take their first
+  step together;
+- ``Scheduler.handle_generate_request`` / ``process_input_requests``,
+  ``TokenizerManager.generate_request`` / ``resume_memory_occupation`` and the HTTP
+  server's app (one ASGI middleware) only note when the re-sent requests arrived
+  (``belayer_kv_timeline``: log lines).
 
 The allocator's patch is ``belayer_kv_alloc``, the journal writer ``belayer_kv_writer``,
 adoption ``belayer_kv_adopt``; what this process knows is ``belayer_kv_state``. Nothing here
@@ -177,4 +183,5 @@ PATCHES = {
     "sglang.srt.managers.tp_worker": belayer_kv_continue.patch_tp_worker,
     "sglang.srt.managers.scheduler": belayer_kv_continue.patch_scheduler,
     "sglang.srt.managers.tokenizer_manager": belayer_kv_timeline.patch_tokenizer_manager,
+    "sglang.srt.entrypoints.http_server": belayer_kv_timeline.patch_http_server,
 }

@@ -27,6 +27,8 @@ class _State:
     rows = 0
     reserve = 0
     promoted = False
+    pending_adoption = None  # the adoption answered but not yet run: run once this pass's inputs are in
+    gather_until: float | None = None  # perf_counter: hold the continuations' first batch until then at most
     adopted_reserve = None  # the old reserve, kept for clear() before the gate opens
     journaled = False  # the first journal write is logged once
     adopted_at: float | None = None  # perf_counter at the adoption's end, until its first batch

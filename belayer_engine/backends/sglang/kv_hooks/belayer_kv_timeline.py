@@ -42,14 +42,37 @@ def patch_tokenizer_manager(module) -> None:
         if _Http.replied_at is not None and not is_health_check(getattr(obj, "rid", None)):
             after = time.perf_counter() - _Http.replied_at
             _Http.arrivals += 1
-            say(f"http: request {_Http.arrivals} after the adoption reached the server {1e3 * after:.1f} ms "
-                "after the adoption's reply")
+            if after <= LOGGED_FOR_S:  # later ones are a later workload's, not the re-sent requests
+                say(f"http: request {_Http.arrivals} after the adoption reached the server {1e3 * after:.1f} ms "
+                    "after the adoption's reply")
             if _Http.arrivals >= LOGGED_REQUESTS or after > LOGGED_FOR_S:
                 _Http.replied_at = None
         return generate(self, obj, *args, **kwargs)
 
     cls.resume_memory_occupation = resume_memory_occupation
     cls.generate_request = generate_request
+
+
+def patch_http_server(module) -> None:
+    """Log lines only: when each ``/generate`` after an adoption reaches SGLang's ASGI app,
+    before FastAPI reads and validates its body (the tokenizer manager's line comes after)."""
+    app = getattr(module, "app", None)
+    if app is None or not hasattr(app, "add_middleware"):
+        say("http timeline off: this SGLang's http_server has no app")
+        return
+
+    class _Arrival:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if _Http.replied_at is not None and scope.get("type") == "http" and scope.get("path") == "/generate":
+                after = time.perf_counter() - _Http.replied_at
+                if after <= LOGGED_FOR_S:
+                    say(f"http: a /generate reached SGLang's app {1e3 * after:.1f} ms after the adoption's reply")
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(_Arrival)
 
 
 def is_health_check(rid) -> bool:

@@ -83,3 +83,56 @@ def test_input_logprobs_and_speculation_keep_the_extend():
 def test_arrivals_are_timed_from_the_adoption():
     assert S.arrivals == [] and S.adoption_end <= time.perf_counter()
     assert kc._ms_list([3.24, 41.6]) == "[3, 42]"
+
+
+@pytest.fixture
+def gathering():
+    S.gather_until = time.perf_counter() + 3600  # the first continuation just arrived
+    yield
+    S.gather_until = None
+
+
+def test_the_first_batch_waits_for_every_adopted_request(gathering):
+    assert kc.holding(waiting=0)  # one adopted request awaited, none back yet
+    assert not kc.holding(waiting=1)  # all back: the batch runs
+    assert S.gather_until is None and not kc.holding(waiting=0)  # gathered once per adoption
+
+
+def test_gathering_ends_at_its_deadline(gathering):
+    S.gather_until = time.perf_counter() - 1e-3
+    assert not kc.holding(waiting=0)
+    assert S.gather_until is None
+
+
+def test_nothing_is_held_without_awaited_continuations(gathering):
+    S.continuations = []
+    assert not kc.holding(waiting=0)
+
+
+class _Scheduler:
+    """The three methods of SGLang's Scheduler the hook wraps, recording what ran when."""
+
+    def __init__(self):
+        self.waiting_queue, self.ran = [], []
+
+    def process_input_requests(self, recv_reqs):
+        self.ran.append(("inputs", len(recv_reqs)))
+
+    def handle_generate_request(self, recv_req):
+        self.waiting_queue.append(recv_req)
+
+    def _get_new_batch_prefill_raw(self, prefill_delayer_single_pass, running_batch):
+        self.ran.append(("prefill", len(self.waiting_queue)))
+        return "batch", running_batch
+
+
+def test_an_answered_adoption_runs_after_the_passs_inputs_and_before_any_batch(gathering):
+    cls = type("Scheduler", (_Scheduler,), {})
+    kc.patch_scheduler(SimpleNamespace(Scheduler=cls))
+    sched = cls()
+    S.pending_adoption = lambda: sched.ran.append(("adopted", None))
+    sched.process_input_requests(["resume"])
+    assert sched.ran == [("inputs", 1), ("adopted", None)] and S.pending_adoption is None
+    assert sched._get_new_batch_prefill_raw(prefill_delayer_single_pass=None, running_batch="running") == (None, "running")
+    sched.handle_generate_request(SimpleNamespace(rid="r-1"))  # the adopted request is back
+    assert sched._get_new_batch_prefill_raw(prefill_delayer_single_pass=None, running_batch="running") == ("batch", "running")
