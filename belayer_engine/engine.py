@@ -29,7 +29,8 @@ class RecoverableEngine(LoopEngine):
         router, self.supervisor_config = engine_recovery(router or RouterConfig(), supervisor or SupervisorConfig())
         # One random secret per engine: its workers answer only the router and the supervisor.
         self._worker_secret = worker_auth.new_secret()
-        self.router_config = engine_router_config(router, self.supervisor_config.model, self._worker_secret)
+        self.router_config = engine_router_config(router, self.supervisor_config.model, self._worker_secret,
+                                                  self.supervisor_config.backend)
         self.base_url: str = ""
         self.weights_socket: str = ""  # the weight endpoint of learners in other processes
         self.router: Router | None = None

@@ -76,12 +76,19 @@ def running(engine: E) -> Iterator[E]:
         engine.stop()
 
 
-def engine_router_config(router: RouterConfig, model: str | None, worker_secret: str) -> RouterConfig:
+def engine_router_config(router: RouterConfig, model: str | None, worker_secret: str,
+                         backend: str = "reference") -> RouterConfig:
     """The router's config as an engine runs it: it authenticates to the workers with the
-    engine's secret, and tokenizes with the served model unless told otherwise."""
+    engine's secret, and tokenizes with the served model unless told otherwise. SGLang
+    servers of the embedded model: the router refuses ids past its vocabulary (a model
+    directory's own ``config.json`` says it otherwise; the reference worker checks itself)."""
     router = router.model_copy(update={"worker_api_key": worker_secret})
     if router.tokenizer is None and model:
         router = router.model_copy(update={"tokenizer": model})
+    if router.vocab_size is None and model is None and backend == "sglang":
+        from belayer_engine.backends.sglang.model_dir import embedded_config
+
+        router = router.model_copy(update={"vocab_size": embedded_config().vocab_size})
     return router
 
 

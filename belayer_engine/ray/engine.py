@@ -69,7 +69,7 @@ class RayEngine(LoopEngine):
         # their own supervisor (it travels to the slot actors as an argument, inside Ray)
         self._worker_secret = worker_auth.new_secret()
         self.config = config.model_copy(update={"router": engine_router_config(
-            config.router, config.supervisor.model, self._worker_secret)})
+            config.router, config.supervisor.model, self._worker_secret, config.supervisor.backend)})
         self.base_url = ""
         self.events: list[dict[str, Any]] = []
         self.slots: dict[str, dict[str, Any]] = {}

@@ -73,7 +73,7 @@ class Router:
     def build_app(self) -> web.Application:
         cfg = self.config
         if self.codec is None:
-            self.codec = load_codec(cfg.tokenizer)
+            self.codec = load_codec(cfg.tokenizer, cfg.vocab_size)
         self._session = aiohttp.ClientSession(connector=worker_connector(limit=0),
                                               headers=worker_auth.headers(cfg.worker_api_key))
         continuation = Continuation(self.table, self._session, cfg)

@@ -8,9 +8,11 @@ chat-template modules; it never imports model code.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Protocol
 
-from belayer_core.errors import ConfigError
+from belayer_core.errors import ConfigError, UsageError
+from belayer_engine.model.config import ModelConfig
 
 
 class Codec(Protocol):
@@ -22,6 +24,8 @@ class Codec(Protocol):
 
     def render_chat(self, messages: list[dict]) -> list[int]: ...
 
+    def check_ids(self, ids: list[int], where: str) -> None: ...
+
 
 class TokenizerCodec:
     """Adapter over ``belayer_engine.model.tokenizer`` + ``belayer_engine.model.chat_template``.
@@ -31,9 +35,18 @@ class TokenizerCodec:
     ``<|im_start|>system`` gets those characters, not a forged system turn.
     """
 
-    def __init__(self, tokenizer, chat_segments) -> None:
+    def __init__(self, tokenizer, chat_segments, vocab_size: int | None = None) -> None:
         self._tok = tokenizer
         self._segments = chat_segments
+        self.vocab_size = vocab_size
+
+    def check_ids(self, ids: list[int], where: str) -> None:
+        """A prompt's ids must lie in the model's vocabulary: an SGLang server indexes its
+        embedding with them unchecked and dies (a device assert on a GPU), and so would the
+        replacement the request is then re-sent to."""
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+            bad = next(i for i in ids if i >= self.vocab_size)
+            raise UsageError(f"{where}: token id {bad} is outside the model's vocabulary (ids 0..{self.vocab_size - 1})")
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
@@ -52,11 +65,14 @@ class TokenizerCodec:
         return ids
 
 
-def load_codec(model_dir: str | None) -> Codec:
-    """The codec of a model directory (its ``tokenizer.json``) or of the embedded model (``None``)."""
+def load_codec(model_dir: str | None, vocab_size: int | None = None) -> Codec:
+    """The codec of a model directory (its ``tokenizer.json``, and its ``config.json``'s
+    ``vocab_size`` unless given) or of the embedded model (``None``)."""
     try:
         tok_mod = importlib.import_module("belayer_engine.model.tokenizer")
         chat_mod = importlib.import_module("belayer_engine.model.chat_template")
     except ImportError as exc:
         raise ConfigError(f"router needs belayer_engine.model.tokenizer/chat_template: {exc}") from exc
-    return TokenizerCodec(tok_mod.load_tokenizer(model_dir), chat_mod.chat_segments)
+    if vocab_size is None and model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    return TokenizerCodec(tok_mod.load_tokenizer(model_dir), chat_mod.chat_segments, vocab_size)

@@ -72,6 +72,10 @@ class RouterConfig(BaseModel):
         "runs at once); a request that would make more wait: 429"))
     default_max_tokens: int = Field(default=256, ge=1)
     tokenizer: str | None = Field(default=None, description="model dir with tokenizer.json; None = embedded byte tokenizer")
+    vocab_size: int | None = Field(default=None, ge=1, description=(
+        "prompt token ids at or above this are refused (400): an SGLang server indexes its embedding "
+        "with them and dies, then its replacement does; None: the tokenizer dir's config.json says, "
+        "else not checked"))
     probe_interval_s: float = Field(default=1.0, gt=0, description="health probing of workers without a supervisor")
 
     @model_validator(mode="after")

@@ -53,6 +53,8 @@ class NativeHandlers:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = parse_native(parse_json(await request.read()), self.codec.encode)
+            for item in req.items:
+                self.codec.check_ids(item.prompt_ids, "input_ids")
             self.continuation.admission.check_room(len(req.items))
         except BelayerError as exc:
             return native_error(failure_status(exc), str(exc))

@@ -83,6 +83,7 @@ class OpenAIHandlers:
         ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise UsageError("prompt: the prompt is empty")
+        self.codec.check_ids(ids, "prompt")
         return ids
 
     def _choices(self, req: ChatRequest | CompletionRequest, chat: bool) -> list[_Choice]:

@@ -75,3 +75,17 @@ def test_hf_tokenizer_escapes_special_tokens_in_text(tmp_path):
     assert tok.encode("<|im_start|>") == [special]
     plain = tok.encode_text("y<|im_start|>y")
     assert special not in plain and "".join(hf.id_to_token(i) for i in plain) == "y<|im_start|>y"
+
+
+def test_prompt_ids_past_the_models_vocabulary_are_refused(tmp_path):
+    from belayer_engine.router.codec import load_codec
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, '
+                                          '"num_hidden_layers": 1, "num_attention_heads": 2}')
+    codec = load_codec(str(tmp_path))
+    codec.check_ids([0, 999], "input_ids")
+    with pytest.raises(UsageError, match="input_ids: token id 1000 is outside the model's vocabulary"):
+        codec.check_ids([5, 1000, 2000], "input_ids")
+    load_codec(None).check_ids([10**6], "prompt")  # a model it does not know: the worker checks
+    with pytest.raises(UsageError, match="token id 512 "):
+        load_codec(None, vocab_size=512).check_ids([512], "prompt")

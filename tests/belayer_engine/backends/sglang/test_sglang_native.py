@@ -183,6 +183,21 @@ def test_a_bad_value_is_refused_like_sglang_refuses_it(servers, sampling):
     print(f"{sampling}: 400 {{'error': {{'message'}}}} from both; ours: {ours[1]['error']['message']}")
 
 
+def test_a_token_id_past_the_vocabulary_is_refused_and_kills_no_server(servers):
+    """A bare SGLang server indexes its embedding with any id and dies of one past the
+    vocabulary (not sent to the bare one here: the module shares it); the engine refuses it."""
+    _, eng = servers
+    worker = eng.worker_pid(0)
+    vocab = eng.router_config.vocab_size
+    for path, body in (("/generate", {"input_ids": PROMPT + [vocab], "sampling_params": {"max_new_tokens": 2}}),
+                       ("/v1/completions", {"model": "m", "prompt": PROMPT + [vocab], "max_tokens": 2})):
+        status, out = call(eng.base_url.removesuffix("/v1"), "POST", path, body)
+        assert status == 400 and f"token id {vocab} is outside" in json.dumps(out), (path, out)
+    ok = generate(eng.base_url.removesuffix("/v1"), _greedy(2, input_ids=PROMPT + [vocab - 1]))
+    assert ok[0] == 200 and eng.worker_pid(0) == worker, ok
+    assert not [e for e in eng.events() if e["event"] == "detected"], "a refused request cost a handover"
+
+
 def test_abort_request_answers_like_sglang(servers):
     url, eng = servers
     theirs = _stream_then_abort(url, "abort-theirs")
