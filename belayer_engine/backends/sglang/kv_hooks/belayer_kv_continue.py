@@ -25,6 +25,8 @@ WAIT_S = 60.0
 # side). Run at once, the first would take a step alone and the rest wait for it, then for
 # the next (three steps of ~22 ms for 16 requests of 8K on an H100): the continuations'
 # first batch waits until every adopted request is back, at most this long after the first.
+# A decision on the clock: sound with one rank only (the arena's KV is refused at tp > 1,
+# where every rank's scheduler must form the same batches).
 GATHER_S = 0.025
 
 
