@@ -98,7 +98,7 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
                 kill()
         await asyncio.gather(*tasks)
     for r in recs:
-        r["t_kill"] = t_kill
+        r["t_kill"], r["t_kill_wall"] = t_kill, t_kill_wall
         if t_kill is not None:
             failures = (r["meta"].get("belayer") or {}).get("failures") or [{}]
             # the replacement's first token: past what the router had when it saw the failure
@@ -231,6 +231,7 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
                     "router_s": k.get("router_s", {})})
     router = {name: _stats([p["router_s"].get(name) for p in per]) for name in ("seen", "resent", "first_token")}
     return {"kill_after": kill_after, "next_token_s": _stats([p["next_token_s"] for p in per]), "router_s": router,
+            "kill_wall": killed[0]["t_kill_wall"],  # the servers' log lines give wall times too
             "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
             "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
                        for e in events[detected:detected + 12]],  # detection, fence, promotion, routing

@@ -36,6 +36,8 @@ def patch_tokenizer_manager(module) -> None:
         out = await resume(self, obj, *args, **kwargs)
         if any(isinstance(t, str) and t.startswith(ADOPT_TAG) for t in (getattr(obj, "tags", None) or ())):
             _Http.replied_at, _Http.arrivals = time.perf_counter(), 0
+            # wall clock: the router's per-failure times (resent_t, first_token_t) line up with it
+            say(f"http: the adoption was answered at wall {time.time():.4f}")
         return out
 
     def generate_request(self, obj, *args, **kwargs):
@@ -69,7 +71,8 @@ def patch_http_server(module) -> None:
             if _Http.replied_at is not None and scope.get("type") == "http" and scope.get("path") == "/generate":
                 after = time.perf_counter() - _Http.replied_at
                 if after <= LOGGED_FOR_S:
-                    say(f"http: a /generate reached SGLang's app {1e3 * after:.1f} ms after the adoption's reply")
+                    say(f"http: a /generate reached SGLang's app {1e3 * after:.1f} ms after the adoption's reply "
+                        f"(wall {time.time():.4f})")
             await self.inner(scope, receive, send)
 
     app.add_middleware(_Arrival)
