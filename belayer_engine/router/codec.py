@@ -42,8 +42,8 @@ class TokenizerCodec:
 
     def check_ids(self, ids: list[int], where: str) -> None:
         """A prompt's ids must lie in the model's vocabulary: an SGLang server indexes its
-        embedding with them unchecked and dies (a device assert on a GPU), and so would the
-        replacement the request is then re-sent to."""
+        embedding with them unchecked and dies (on CPU: an IndexError in its scheduler), and
+        so would the replacement the request is then re-sent to."""
         if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
             bad = next(i for i in ids if i >= self.vocab_size)
             raise UsageError(f"{where}: token id {bad} is outside the model's vocabulary (ids 0..{self.vocab_size - 1})")
