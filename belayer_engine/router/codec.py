@@ -8,11 +8,11 @@ chat-template modules; it never imports model code.
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 from typing import Protocol
 
 from belayer_core.errors import ConfigError, UsageError
-from belayer_engine.model.config import ModelConfig
 
 
 class Codec(Protocol):
@@ -73,6 +73,16 @@ def load_codec(model_dir: str | None, vocab_size: int | None = None) -> Codec:
         chat_mod = importlib.import_module("belayer_engine.model.chat_template")
     except ImportError as exc:
         raise ConfigError(f"router needs belayer_engine.model.tokenizer/chat_template: {exc}") from exc
-    if vocab_size is None and model_dir is not None and (Path(model_dir) / "config.json").is_file():
-        vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    if vocab_size is None and model_dir is not None:
+        vocab_size = _vocab_size(Path(model_dir) / "config.json")
     return TokenizerCodec(tok_mod.load_tokenizer(model_dir), chat_mod.chat_segments, vocab_size)
+
+
+def _vocab_size(config: Path) -> int | None:
+    """``vocab_size`` of a model's ``config.json``; None when it does not say (no file, another
+    layout): the router then leaves the ids to the worker, as it did before it checked them."""
+    try:
+        value = json.loads(config.read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if type(value) is int and value > 0 else None

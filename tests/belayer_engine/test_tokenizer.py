@@ -87,5 +87,7 @@ def test_prompt_ids_past_the_models_vocabulary_are_refused(tmp_path):
     with pytest.raises(UsageError, match="input_ids: token id 1000 is outside the model's vocabulary"):
         codec.check_ids([5, 1000, 2000], "input_ids")
     load_codec(None).check_ids([10**6], "prompt")  # a model it does not know: the worker checks
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 1000}}')  # another layout
+    load_codec(str(tmp_path)).check_ids([10**6], "prompt")
     with pytest.raises(UsageError, match="token id 512 "):
         load_codec(None, vocab_size=512).check_ids([512], "prompt")
