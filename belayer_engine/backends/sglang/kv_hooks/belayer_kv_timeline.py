@@ -1,11 +1,12 @@
 """Where the wait after an adoption goes, in the server's own processes (log lines only).
 
 After an adoption the re-sent requests reach the scheduler tens of ms later on a GPU. Two
-places can hold them: the HTTP side (SGLang's tokenizer manager, its own process, which
-receives each request and passes it to the scheduler) and the scheduler's loop (which
-takes requests in only between passes). So the tokenizer manager logs when each request
-reached it after the adoption's reply went out, and the scheduler how many loop passes it
-made before the first request, and the longest gap between two.
+places can hold them: the HTTP side (SGLang's HTTP server process: its ASGI app, then the
+tokenizer manager, which passes each request to the scheduler) and the scheduler's loop
+(which takes requests in only between passes). So the HTTP process logs when the adoption
+was answered and when each request reached the app and the tokenizer manager after that
+(with wall-clock times, to line up with the router's), and the scheduler how many loop
+passes it made before the first request, and the longest gap between two.
 """
 
 from __future__ import annotations
