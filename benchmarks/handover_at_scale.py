@@ -110,7 +110,8 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
             # the router's side of the wait (wall clock, s after the kill): failure seen, re-sent,
             # the replacement's first token at the router
             r["router_s"] = {name: failures[0][key] - t_kill_wall for name, key in
-                             (("seen", "t"), ("resent", "resent_t"), ("first_token", "first_token_t"))
+                             (("seen", "t"), ("resent", "resent_t"), ("headers", "headers_t"),
+                              ("first_token", "first_token_t"))
                              if isinstance(failures[0].get(key), float)}
     return recs
 
@@ -211,7 +212,8 @@ def run_mode(mode: str, args, result: dict, save) -> None:
                 cell = entry["cells"][key]
                 router = {k: (v.get("p50"), v.get("max")) for k, v in cell["router_s"].items()}
                 print(f"{mode} {key}: next token {cell['next_token_s']}, identical {cell['identical']}/{inflight}; "
-                      f"router (p50, max s after the kill) {router}", flush=True)
+                      f"router (p50, max s after the kill) {router}; router loop stall {cell['loop_stall']}",
+                      flush=True)
             save()
 
 
@@ -229,10 +231,14 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
                     "first_diff": _first_diff(k["ids"], r["ids"]), "adopted_tokens": belayer.get("adopted_tokens"),
                     "reprefilled_tokens": belayer.get("reprefilled_tokens"), "recoveries": belayer.get("recoveries"),
                     "router_s": k.get("router_s", {})})
-    router = {name: _stats([p["router_s"].get(name) for p in per]) for name in ("seen", "resent", "first_token")}
+    router = {name: _stats([p["router_s"].get(name) for p in per])
+              for name in ("seen", "resent", "headers", "first_token")}
+    stall = [e for e in events[detected:] if e["event"] == "loop_stall"]
     return {"kill_after": kill_after, "next_token_s": _stats([p["next_token_s"] for p in per]), "router_s": router,
             "kill_wall": killed[0]["t_kill_wall"],  # the servers' log lines give wall times too
             "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
+            # the router's loop: the longest it went without running after the handover, and when
+            "loop_stall": {k: stall[0][k] for k in ("longest_s", "began_s")} if stall else None,
             "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
                        for e in events[detected:detected + 12]],  # detection, fence, promotion, routing
             "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}

@@ -20,3 +20,18 @@ def parse_json_object(raw: bytes, not_object: str = "request body must be a JSON
     if not isinstance(body, dict):
         raise UsageError(not_object)
     return body
+
+
+def encode_json(obj) -> bytes:
+    """``obj`` as JSON bytes, with orjson where it is installed: a re-sent request carries
+    its whole context as token ids (~0.9 ms per 8K ids with ``json``, ~0.1 with orjson), and
+    a handover re-sends every in-flight request from one event loop."""
+    if _orjson is not None:
+        return _orjson.dumps(obj)
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+try:  # optional: the engine extra installs it
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - plain json then
+    _orjson = None

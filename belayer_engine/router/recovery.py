@@ -79,6 +79,11 @@ class Generation:
         }
 
 
+def _time_of(record: dict, key: str):
+    """A callback that stamps ``record[key]`` with the wall-clock time it is called at."""
+    return lambda: record.__setitem__(key, time.time())
+
+
 def _version(v):
     """SGLang reports weight versions as strings ("3"); the reference worker as ints."""
     return int(v) if isinstance(v, str) and v.isdigit() else v
@@ -147,6 +152,7 @@ class Continuation:
                     self.session, endpoint, body, stall_timeout=cfg.stall_timeout_s,
                     connect_timeout=cfg.connect_timeout_s, probe_timeout=cfg.stall_probe_timeout_s,
                     max_silence=cfg.max_silence_s,
+                    on_headers=_time_of(gen.failures[-1], "headers_t") if replaying else None,
                 )
                 try:
                     # aclosing: when the client goes away (or a stop string ends the request) the

@@ -27,16 +27,18 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from belayer_core.errors import RequestFailed, UsageError, WorkerLost
+from belayer_engine.common.json_body import encode_json
 from belayer_engine.common.routing import LOST, Endpoint
 from belayer_engine.common.sse import sse_json
 
 _DONE = object()
+_JSON = {"Content-Type": "application/json"}
 _last_chunk: weakref.WeakKeyDictionary[Endpoint, float] = weakref.WeakKeyDictionary()  # monotonic
 
 
@@ -90,11 +92,14 @@ def _logprob_slice(meta: dict, start: int, count: int, top: bool) -> tuple[list[
 
 
 async def _pump(session: aiohttp.ClientSession, endpoint: Endpoint, body: dict, queue: asyncio.Queue,
-                connect_timeout: float) -> None:
+                connect_timeout: float, on_headers: Callable[[], None] | None = None) -> None:
     """Read the SSE stream into ``queue``; errors are queued, never raised."""
     try:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout)
-        async with session.post(endpoint.url + "/generate", json=body, timeout=timeout) as resp:
+        async with session.post(endpoint.url + "/generate", data=encode_json(body), headers=_JSON,
+                                timeout=timeout) as resp:
+            if on_headers is not None:
+                on_headers()
             if resp.status >= 400:
                 text = await resp.text()
                 if resp.status == 429:
@@ -147,14 +152,16 @@ async def stream_generate(
     connect_timeout: float,
     probe_timeout: float = 2.0,
     max_silence: float = 300.0,
+    on_headers: Callable[[], None] | None = None,
 ) -> AsyncIterator[Chunk]:
-    """Yield ``Chunk``s of one generation; raise ``WorkerLost`` on any worker failure."""
+    """Yield ``Chunk``s of one generation; raise ``WorkerLost`` on any worker failure.
+    ``on_headers`` is called when the worker's answer starts (its HTTP side took the request)."""
     queue: asyncio.Queue = asyncio.Queue()
     endpoint.streams.add(queue)
     endpoint.inflight += 1
     if endpoint.lost:
         queue.put_nowait(LOST)
-    pump = asyncio.create_task(_pump(session, endpoint, body, queue, connect_timeout))
+    pump = asyncio.create_task(_pump(session, endpoint, body, queue, connect_timeout, on_headers))
     seen = 0
     want_logprobs, want_top = bool(body.get("return_logprob")), bool(body.get("top_logprobs_num"))
     finished = False

@@ -19,10 +19,13 @@ import logging
 import time
 
 from belayer_core.errors import DeviceUnhealthy, WorkerLost
+from belayer_engine.common.loop_stall import longest_stall
 from belayer_engine.supervisor.processes import Proc, fence, kill_group
 from belayer_engine.supervisor.slot import Slot
 
 log = logging.getLogger("belayer_engine.supervisor.supervisor")
+
+LOOP_WATCH_S = 0.5  # the re-sent requests' first tokens come within this after a handover
 
 
 class Handover:
@@ -82,7 +85,14 @@ class Handover:
             slot.promoted_at = time.monotonic()
             slot.handovers += 1
             self._event(slot, "handover", path=path, total_s=slot.promoted_at - t0)
+            self._spawn_task(self._watch_loop(slot))
             self._rearm(slot)
+
+    async def _watch_loop(self, slot: Slot) -> None:
+        """The re-sent requests leave from this loop: a stall of it after the handover (the
+        new shadow's spawn, a blocking call) is their wait too, reported as ``loop_stall``."""
+        longest, began = await longest_stall(LOOP_WATCH_S)
+        self._event(slot, "loop_stall", longest_s=longest, began_s=began, watched_s=LOOP_WATCH_S)
 
     async def _drop_early(self, early: asyncio.Task | None) -> None:
         """A shadow promoted during the arena check that will not be routed: fenced."""

@@ -93,8 +93,9 @@ def test_static_router_cli_survives_sigkill_mid_stream(tmp_path, procs):
     (failure,) = summary["failures"]
     assert KILL_AT <= failure["at_token"] < MAX_TOKENS, failure
     assert summary["reprefilled_tokens"] == failure["at_token"], summary  # every id so far went back as input
-    # where the recovery's wait went: failure seen, request re-sent, the survivor's first token
-    assert failure["t"] <= failure["resent_t"] <= failure["first_token_t"], failure
+    # where the recovery's wait went: failure seen, request re-sent, the survivor's answer
+    # started (its HTTP side took the request), its first token
+    assert failure["t"] <= failure["resent_t"] <= failure["headers_t"] <= failure["first_token_t"], failure
 
     # The dead worker is out of routing (it does not answer /health); the survivor serves.
     live = _wait_live(router, 1)
