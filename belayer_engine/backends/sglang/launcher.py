@@ -223,6 +223,9 @@ def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> d
     paths = [p for p in (env.pop("BELAYER_SGLANG_PYTHONPATH", ""),) if p]
     if is_cpu(cfg.device):
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        # On a machine with a GPU, SGLang would also take its CUDA kernels' paths (its is_cuda()
+        # asks torch) and fail on CPU tensors: a CPU server sees no GPU.
+        env["CUDA_VISIBLE_DEVICES"] = ""
         env["OMP_NUM_THREADS"] = str(cfg.threads)
         tp = tp_size(cfg.extra_args)
         if tp > 1 and BIND_VAR not in env and numa_nodes() < tp:  # the user's own binding wins

@@ -78,9 +78,10 @@ def test_server_command_is_cpu_safe_and_loopback(tmp_path):
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))
     assert flags["--host"] == "127.0.0.1" and "--skip-server-warmup" in argv
     assert argv[argv.index("--weight-cache-mode") + 1] == "client"
-    env = server_env(cfg, base={"PYTHONPATH": "/project", "PATH": "/bin"})
+    env = server_env(cfg, base={"PYTHONPATH": "/project", "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"})
     assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["CUDA_VISIBLE_DEVICES"] == "", "a CPU server on a GPU machine would take SGLang's CUDA paths"
     assert env["PYTHONPATH"] == str(SHIMS_DIR), "only the stand-ins, never the project's path"
 
 
