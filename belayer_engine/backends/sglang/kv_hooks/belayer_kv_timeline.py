@@ -5,12 +5,15 @@ places can hold them: the HTTP side (SGLang's HTTP server process: its ASGI app,
 tokenizer manager, which passes each request to the scheduler) and the scheduler's loop
 (which takes requests in only between passes). So the HTTP process logs when the adoption
 was answered and when each request reached the app and the tokenizer manager after that
-(with wall-clock times, to line up with the router's), and the scheduler how many loop
-passes it made before the first request, and the longest gap between two.
+(with wall-clock times, to line up with the router's), the longest stall of its event loop
+and any garbage collection over 2 ms in the 300 ms after the answer, and the scheduler how
+many loop passes it made before the first request, and the longest gap between two.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import time
 
 from belayer_kv_state import ADOPT_TAG, S, say
@@ -18,11 +21,47 @@ from belayer_kv_state import ADOPT_TAG, S, say
 HEALTH_RID = "HEALTH_CHECK"  # SGLang's /health runs a one-token generate of this rid prefix (not a client's)
 LOGGED_REQUESTS = 64  # arrivals logged after an adoption (every in-flight request of a full batch)
 LOGGED_FOR_S = 5.0
+WATCH_S = 0.3  # the re-sent requests cross the HTTP side within this after the answer
 
 
 class _Http:
     replied_at: float | None = None  # perf_counter when the adoption's reply was sent
     arrivals = 0
+    watch = None  # the loop watch's task (kept: the loop holds only weak references to tasks)
+    gc_watched = False
+
+
+async def _watch_loop(since: float, watch_s: float = WATCH_S, tick_s: float = 0.001) -> None:
+    """Whether the HTTP process's event loop stalls after the answer (a blocking call, a
+    collection): every re-sent request waits for it. Logs the longest stall and when."""
+    last, longest, began = time.perf_counter(), 0.0, 0.0
+    while last - since < watch_s:
+        await asyncio.sleep(tick_s)
+        now = time.perf_counter()
+        if now - last - tick_s > longest:
+            longest, began = now - last - tick_s, last - since
+        last = now
+    say(f"http: the event loop's longest stall in the {1e3 * watch_s:.0f} ms after the answer: "
+        f"{1e3 * longest:.1f} ms, from {1e3 * began:.1f} ms")
+
+
+def _watch_gc() -> None:
+    """Log Python's collections in this process that take over 2 ms in the watch window."""
+    if _Http.gc_watched:
+        return
+    _Http.gc_watched = True
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and _Http.replied_at is not None:
+            took, after = time.perf_counter() - started[0], started[0] - _Http.replied_at
+            if took > 0.002 and 0 <= after <= WATCH_S:
+                say(f"http: a generation-{info.get('generation')} garbage collection took {1e3 * took:.1f} ms, "
+                    f"{1e3 * after:.1f} ms after the answer")
+
+    gc.callbacks.append(on_gc)
 
 
 def patch_tokenizer_manager(module) -> None:
@@ -39,6 +78,8 @@ def patch_tokenizer_manager(module) -> None:
             _Http.replied_at, _Http.arrivals = time.perf_counter(), 0
             # wall clock: the router's per-failure times (resent_t, first_token_t) line up with it
             say(f"http: the adoption was answered at wall {time.time():.4f}")
+            _watch_gc()
+            _Http.watch = asyncio.get_running_loop().create_task(_watch_loop(_Http.replied_at))
         return out
 
     def generate_request(self, obj, *args, **kwargs):
