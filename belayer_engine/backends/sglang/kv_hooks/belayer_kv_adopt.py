@@ -74,12 +74,24 @@ def bad_rows(slot_rows, in_reserve, rows: int, device) -> list[bool]:
     return [bool(c) for c in counts.cpu().tolist()]
 
 
+def first_device_op(device) -> float:
+    """Seconds one tiny op takes to come back from the device. The adoption's first: on a GPU
+    it waits for what the device still runs (the dead server's last kernels, its context's
+    teardown), which no adoption work can shorten; logged apart from the adoption's own."""
+    import torch
+
+    t0 = time.perf_counter()
+    torch.ones(1, device=device).add_(1).cpu()
+    return time.perf_counter() - t0
+
+
 def warm_kernels(device) -> None:
     """Run every kind of device op an adoption runs once, on tiny tensors, in a shadow that
     waits: on a GPU the first launch of each kernel loads its module (CUDA's lazy loading,
     milliseconds each), which would otherwise land inside the handover."""
     import torch
 
+    first_device_op(device)
     table = torch.ones((2, 8), dtype=torch.int32, device=device)  # the request table's dtype
     idx = table[0, :4].to(device=device, dtype=torch.int64) + torch.arange(4, device=device)
     old_reserve = torch.tensor([12, 13], dtype=torch.int64, device=device)
@@ -147,6 +159,8 @@ def _adopt(scheduler, source_sid: str) -> None:
             skipped["changed"] += 1
             continue
         readable.append((prompt, committed, ids, table[row, :committed].to(device=device, dtype=torch.int64)))
+    t_read = time.perf_counter()
+    device_wait = first_device_op(device)  # what the GPU makes it wait for, apart from the check
     untrusted = bad_rows([r[3] for r in readable], in_reserve, S.rows, device)
     for (prompt, committed, ids, idx), bad in zip(readable, untrusted, strict=True):
         if bad:
@@ -177,7 +191,8 @@ def _adopt(scheduler, source_sid: str) -> None:
     S.first_arrival = S.first_launch = None
     S.first_as_decode = False
     t_end = S.adopted_at = time.perf_counter()
-    ms = {"source": t_source - t0, "rows": t_rows - t_source, "plan": t_plan - t_rows, "arena": t_end - t_plan}
+    ms = {"source": t_source - t0, "read": t_read - t_source, "first device op": device_wait,
+          "rows": t_rows - t_read - device_wait, "plan": t_plan - t_rows, "arena": t_end - t_plan}
     say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.numel()} slots) from {source_sid}, "
         f"{cut} cut to their write before the kill, skipped {skipped}, in {1e3 * (t_end - t0):.1f} ms "
         f"({', '.join(f'{k} {1e3 * v:.1f}' for k, v in ms.items())})")
