@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Supervisor", "private_run_dir"]
 
-_REARM_DELAY_S = 0.02  # a new shadow is spawned this long after a handover (off the critical path)
+_REARM_DELAY_S = 0.02  # a new shadow is spawned at least this long after a handover (off the critical path)
+_REARM_WAIT_S = 1.0  # ... and once the re-sent requests have their first tokens, or this long after it
+_REARM_POLL_S = 0.005
 
 
 class Supervisor(Detection, Handover, StatusViews):
@@ -199,9 +201,9 @@ class Supervisor(Detection, Handover, StatusViews):
             return
 
         async def arm() -> None:
-            # Spawning blocks this loop for a few ms (fork + exec): let the streams that a
-            # handover just resumed send their requests first.
-            await asyncio.sleep(_REARM_DELAY_S)
+            # Spawning blocks this loop for a few ms (fork + exec; 10 ms seen on the CPU VM):
+            # the streams a handover just resumed send their requests from it first.
+            await resends_settled(slot.endpoint)
             try:
                 slot.shadow = await self._start_worker(slot, shadow=True)
             except WorkerLost as exc:
@@ -218,3 +220,15 @@ class Supervisor(Detection, Handover, StatusViews):
         slot.probe_failures = 0
         await self.table.put_in_service(slot.endpoint)
         self._event(slot, "routed", pid=proc.pid)
+
+
+async def resends_settled(endpoint: Endpoint | None, min_s: float = _REARM_DELAY_S, cap_s: float = _REARM_WAIT_S,
+                          poll_s: float = _REARM_POLL_S) -> None:
+    """Return once the requests re-sent to ``endpoint`` after a handover all have a token
+    (``endpoint.replaying`` back at 0), at least ``min_s`` and at most ``cap_s`` from now: the
+    router re-sends within milliseconds of the routing, and what comes after it may stall."""
+    start = time.monotonic()
+    await asyncio.sleep(min_s)
+    while endpoint is not None and endpoint.replaying > 0 and time.monotonic() - start < cap_s:
+        await asyncio.sleep(poll_s)
+
