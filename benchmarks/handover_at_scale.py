@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -207,7 +208,10 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             entry.setdefault("decode_step_s", {})[f"{context}x{inflight}"] = _stats(gaps)
             for kill_after in args.kill_after:
                 key = f"{context}x{inflight}" + (f"@{kill_after}" if len(args.kill_after) > 1 else "")
-                entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen)
+                profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key}_pyspy.txt" \
+                    if args.profile else None
+                entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen,
+                                                   profile)
                 entry["cells"][key].update(context=context, inflight=inflight)
                 cell = entry["cells"][key]
                 router = {k: (v.get("p50"), v.get("max")) for k, v in cell["router_s"].items()}
@@ -217,9 +221,15 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             save()
 
 
-def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen: set) -> dict:
-    """The cell's prompts again, the serving server SIGKILLed once each has ``kill_after`` ids."""
-    killed = asyncio.run(run_cell(engine, prompts, max_new, kill_after))
+def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen: set,
+                 profile: Path | None = None) -> dict:
+    """The cell's prompts again, the serving server SIGKILLed once each has ``kill_after`` ids
+    (with ``profile``: while py-spy samples the shadow's processes, see ``_profiled_kill``)."""
+    spy = []
+    kill = _profiled_kill(engine, profile, spy) if profile is not None else None
+    killed = asyncio.run(run_cell(engine, prompts, max_new, kill_after, kill))
+    for proc in spy:
+        proc.communicate(timeout=60)
     engine.wait_ready(timeout=900, stable=True)
     events = engine.events()
     handover = [e for e in events if e["event"] == "handover"][-1]
@@ -242,6 +252,35 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
             "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
                        for e in events[detected:detected + 12]],  # detection, fence, promotion, routing
             "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
+
+
+PROFILE_S = 1  # s (py-spy takes whole seconds): the handover and the continuations' first steps
+
+
+def _profiled_kill(engine, out: Path, spies: list):
+    """A kill that starts py-spy on the shadow (its HTTP process, scheduler and detokenizer:
+    ``--subprocesses``, every thread, 2 kHz, not pausing them) for PROFILE_S s, waits until it
+    samples, then SIGKILLs the serving server: what each shadow process runs, or whether it
+    waits, between the kill and the continuations' first tokens. Raw (collapsed) stacks."""
+    if shutil.which("py-spy") is None:
+        raise SystemExit("--profile needs py-spy on PATH (pip install py-spy; on the GPU machine carry its binary)")
+    shadow = engine.supervisor.slots[0].shadow
+    if shadow is None:
+        raise SystemExit("--profile: the slot has no shadow to profile")
+
+    def kill() -> None:
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--subprocesses", "--threads",
+                                "--rate", "2000", "--duration", str(PROFILE_S), "--format", "raw", "--nonblocking",
+                                "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        spies.append(spy)
+        for line in spy.stdout:  # py-spy says when it samples
+            if "Sampling process" in line:
+                break
+        else:
+            raise RuntimeError(f"py-spy did not start on pid {shadow.pid} (exit {spy.wait()})")
+        os.killpg(engine.worker_pid(0), signal.SIGKILL)
+
+    return kill
 
 
 def _cells(text: str) -> list[tuple[int, int]]:
@@ -267,6 +306,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=500, help="prompt ids are drawn from [1, vocab)")
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--plain", action="store_true", help="also measure a plain SGLang server's memory at the same KV")
+    p.add_argument("--profile", action="store_true", help="py-spy samples the shadow's processes for 1 s from the "
+                   "kill of each cell (raw stacks beside the JSON; needs py-spy on PATH)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
