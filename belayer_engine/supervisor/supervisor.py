@@ -48,6 +48,8 @@ __all__ = ["Supervisor", "private_run_dir"]
 _REARM_DELAY_S = 0.02  # a new shadow is spawned at least this long after a handover (off the critical path)
 _REARM_WAIT_S = 1.0  # ... and once the re-sent requests have their first tokens, or this long after it
 _REARM_POLL_S = 0.005
+_SHADOW_START_ATTEMPTS = 3  # a shadow that fails to start is started again, after 1 s, then 2 s
+_SHADOW_RETRY_S = 1.0
 
 
 class Supervisor(Detection, Handover, StatusViews):
@@ -204,11 +206,20 @@ class Supervisor(Detection, Handover, StatusViews):
             # Spawning blocks this loop for a few ms (fork + exec; 10 ms seen on the CPU VM):
             # the streams a handover just resumed send their requests from it first.
             await resends_settled(slot.endpoint)
-            try:
-                slot.shadow = await self._start_worker(slot, shadow=True)
-            except WorkerLost as exc:
-                log.warning("slot %s: shadow failed to start: %s", slot.name, exc)
-                self._event(slot, "shadow_failed", reason=str(exc)[:300])
+            for attempt in range(1, _SHADOW_START_ATTEMPTS + 1):
+                try:
+                    slot.shadow = await self._start_worker(slot, shadow=True)
+                    break
+                except WorkerLost as exc:
+                    # e.g. a port SGLang chose was taken by the time its rank bound it: a slot
+                    # without a standby would stay so, and wait_ready() would wait for nothing
+                    again = attempt < _SHADOW_START_ATTEMPTS and not self._stopping and not slot.excluded
+                    log.warning("slot %s: shadow failed to start (attempt %d of %d%s): %s", slot.name, attempt,
+                                _SHADOW_START_ATTEMPTS, ", trying again" if again else "", exc)
+                    self._event(slot, "shadow_failed", reason=str(exc)[:300], attempt=attempt, retry=again)
+                    if not again:
+                        break
+                    await asyncio.sleep(_SHADOW_RETRY_S * attempt)
             await self._notify()
 
         slot.arming = asyncio.create_task(arm())

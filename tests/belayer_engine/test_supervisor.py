@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -82,3 +83,52 @@ def test_idle_stalled_worker_is_found_by_health_probes():
         assert eng.wait_event("handover", since=t0, timeout=30)["path"] == "shadow"
         assert not process_alive(pid), "the stopped worker must be fenced (SIGKILL works on stopped processes)"
         assert fault_free(eng.base_url) == base
+
+
+def _shadow_pids(run_dir: str) -> list[int]:
+    """Pids of this engine's shadows (their argv names the run dir's arena socket)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"--shadow" in argv and any(run_dir.encode() in a for a in argv):
+            pids.append(int(entry))
+    return pids
+
+
+def test_a_shadow_that_dies_while_starting_is_started_again(tmp_path):
+    """A real start failure (the starting shadow SIGKILLed): the slot gets its standby
+    anyway, and wait_ready() does not wait for one that will never come."""
+    run_dir = str(tmp_path / "run")
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_the_first_shadow() -> None:  # as soon as it exists, long before it can be ready
+        while not stop.is_set() and not killed:
+            for pid in _shadow_pids(run_dir):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                break
+            stop.wait(0.002)
+
+    killer = threading.Thread(target=kill_the_first_shadow, daemon=True)
+    killer.start()
+    try:
+        with RecoverableEngine.launch(workers=1, shadow=True, run_dir=run_dir) as eng:
+            eng.wait_ready(timeout=180)
+            stop.set()
+            failed = [e for e in eng.events() if e["event"] == "shadow_failed"]
+            assert killed and failed, (killed, eng.events())
+            assert failed[0]["attempt"] == 1 and failed[0]["retry"] is True, failed
+            shadow = eng.status()["slots"]["w0"]["shadow_pid"]
+            assert shadow is not None and shadow not in killed
+            assert not process_alive(killed[0])
+            assert fault_free(eng.base_url)
+    finally:
+        stop.set()
+        killer.join(5)
