@@ -260,8 +260,9 @@ PROFILE_S = 1  # s (py-spy takes whole seconds): the handover and the continuati
 def _profiled_kill(engine, out: Path, spies: list):
     """A kill that starts py-spy on the shadow (its HTTP process, scheduler and detokenizer:
     ``--subprocesses``, every thread, 2 kHz, not pausing them) for PROFILE_S s, waits until it
-    samples, then SIGKILLs the serving server: what each shadow process runs, or whether it
-    waits, between the kill and the continuations' first tokens. Raw (collapsed) stacks."""
+    samples, then SIGKILLs the serving server: what each shadow process runs, or where it
+    waits (``--idle``: waiting threads are sampled too), between the kill and the
+    continuations' first tokens. Raw (collapsed) stacks."""
     if shutil.which("py-spy") is None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy; on the GPU machine carry its binary)")
     shadow = engine.supervisor.slots[0].shadow
@@ -270,7 +271,7 @@ def _profiled_kill(engine, out: Path, spies: list):
 
     def kill() -> None:
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--subprocesses", "--threads",
-                                "--rate", "2000", "--duration", str(PROFILE_S), "--format", "raw", "--nonblocking",
+                                "--idle", "--rate", "2000", "--duration", str(PROFILE_S), "--format", "raw", "--nonblocking",
                                 "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         spies.append(spy)
         for line in spy.stdout:  # py-spy says when it samples
