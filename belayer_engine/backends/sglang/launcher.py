@@ -4,8 +4,9 @@ Torch-free. The server runs from SGLang's own virtual environment (set up by
 ``scripts/setup_sglang.sh``), never the project's. Settings that matter for recovery:
 crash-dump sleeps off (a killed server's streams end in well under a second instead of
 ~6 s), 127.0.0.1 only, SGLang's own warm-up request skipped (ready sooner; a shadow is
-warmed by ``backend.py`` instead), weights from the weight-cache socket of the process that
-owns them (``--weight-cache-mode client``).
+warmed by ``backend.py`` instead), an idle scheduler sleeping on its sockets rather than
+spinning a core (``--sleep-on-idle``), weights from the weight-cache socket of the process
+that owns them (``--weight-cache-mode client``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
 GPU_HOOKS_DIR = Path(__file__).resolve().parent / "gpu_hooks"
 KV_HOOKS_DIR = Path(__file__).resolve().parent / "kv_hooks"
 THREADS_VAR = "BELAYER_SGLANG_CPU_THREADS"  # the CPU servers' threads (per rank) where the engine starts them
+NO_NCCL = "/nonexistent/belayer-cpu-servers-use-no-nccl.so"  # SGLANG_NCCL_SO_PATH of CPU servers
 SETUP_HINT = "run `bash scripts/setup_sglang.sh` (or set BELAYER_SGLANG_VENV to an SGLang venv)"
 
 
@@ -108,7 +110,11 @@ def server_argv(cfg: SGLangServerConfig) -> list[str]:
             "--max-total-tokens", str(cfg.max_total_tokens),
             "--context-length", str(cfg.context_length),
             "--max-running-requests", str(cfg.max_running_requests),
-            "--skip-server-warmup", "--log-level", "warning"]
+            "--skip-server-warmup", "--log-level", "warning",
+            # an idle scheduler waits on its sockets (woken by the next message) instead of
+            # spinning a core: an idle shadow otherwise takes one of CI's two cores from its
+            # worker (CPU decode step 15-17 ms -> 11 ms at 1,024 x 4, this VM)
+            "--sleep-on-idle"]
     if cpu:
         argv += ["--device", "cpu", "--attention-backend", cfg.attention_backend or "torch_native",
                  "--dtype", cfg.dtype or "float32"]
@@ -226,6 +232,10 @@ def server_env(cfg: SGLangServerConfig, base: dict[str, str] | None = None) -> d
         # On a machine with a GPU, SGLang would also take its CUDA kernels' paths (its is_cuda()
         # asks torch) and fail on CPU tensors: a CPU server sees no GPU.
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # Nor NCCL: SGLang 0.5.17 builds a NCCL communicator for tp > 1 wherever the library
+        # loads (a CUDA torch brings it) and then asks for a CUDA device; without it, its
+        # ranks talk over torch's CPU group, as on a machine without NCCL.
+        env["SGLANG_NCCL_SO_PATH"] = NO_NCCL
         env["OMP_NUM_THREADS"] = str(cfg.threads)
         tp = tp_size(cfg.extra_args)
         if tp > 1 and BIND_VAR not in env and numa_nodes() < tp:  # the user's own binding wins

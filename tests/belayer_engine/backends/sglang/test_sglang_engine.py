@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
+from belayer_engine.common.proc_group import group_members
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
 from tests.conftest import process_alive, wait_until
@@ -112,6 +113,25 @@ def test_sglang_workers_answer_only_the_engine(engine):
     req.headers.update(engine.worker_headers())
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert len(json.load(resp)["output_ids"]) == 2
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_idle_shadow_leaves_the_cores_to_its_worker(engine):
+    """An idle SGLang scheduler polls its sockets in a loop unless --sleep-on-idle; a
+    waiting shadow's would take a whole core (of CI's two) from the worker it follows."""
+    engine.wait_ready(timeout=START_S, stable=True)
+    shadow = engine.supervisor.slots[0].shadow
+    members = {pid: title for pid, title in group_members(shadow.pid).items() if "scheduler" in title}
+    assert members, "the shadow's SGLang scheduler process"
+    before = {pid: _cpu_seconds(pid) for pid in members}
+    window = 2.0
+    time.sleep(window)  # the measured window, not a wait for an event
+    used = {members[pid]: _cpu_seconds(pid) - t for pid, t in before.items()}
+    assert all(v < 0.25 * window for v in used.values()), f"an idle shadow's scheduler spun: {used} in {window} s"
 
 
 def test_an_error_inside_sglangs_200_stream_is_the_clients_not_a_failover(engine):

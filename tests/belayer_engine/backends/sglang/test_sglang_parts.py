@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +83,8 @@ def test_server_command_is_cpu_safe_and_loopback(tmp_path):
     assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["CUDA_VISIBLE_DEVICES"] == "", "a CPU server on a GPU machine would take SGLang's CUDA paths"
+    assert not Path(env["SGLANG_NCCL_SO_PATH"]).exists(), "nor a NCCL communicator for its ranks"
+    assert "--sleep-on-idle" in argv, "an idle scheduler does not spin a core"
     assert env["PYTHONPATH"] == str(SHIMS_DIR), "only the stand-ins, never the project's path"
 
 
