@@ -38,6 +38,11 @@ from belayer_core.errors import BelayerError, Overloaded, UsageError
 from belayer_engine.common.routing import Endpoint, RoutingTable
 
 _TICK_S = 0.25  # how often waiters look for endpoints that appeared (a handover) or came back
+# A promoted worker's own capacity is read this long after the router first routes to it,
+# not at once: the read goes through its HTTP side and its scheduler, which are taking the
+# re-sent requests then (a CPU profile of an SGLang handover: ~20 ms of that server's HTTP
+# loop building the answer, and a scheduler round trip, mid-adoption).
+SUCCESSOR_READ_DELAY_S = 3.0
 
 
 @dataclass
@@ -91,11 +96,12 @@ class Admission:
     """Per-endpoint reservations and the router's fair queue (one per router, on its loop)."""
 
     def __init__(self, table: RoutingTable, session: aiohttp.ClientSession, max_waiting: int,
-                 info_timeout_s: float) -> None:
+                 info_timeout_s: float, successor_read_delay_s: float = SUCCESSOR_READ_DELAY_S) -> None:
         self.table = table
         self.session = session
         self.max_waiting = max_waiting
         self.info_timeout_s = info_timeout_s
+        self.successor_read_delay_s = successor_read_delay_s
         self.waiting = 0  # generations queued here now
         self._loads: weakref.WeakKeyDictionary[Endpoint, _Load] = weakref.WeakKeyDictionary()
         self._slot_capacity: dict[str, Capacity] = {}  # last read per slot: what its successor runs
@@ -162,18 +168,22 @@ class Admission:
     def _learn(self, endpoint: Endpoint) -> asyncio.Task | None:
         """The read of ``endpoint``'s capacity to wait for; None once it is known. A promoted
         shadow is started with its slot's flags: it is sent work at once on what the slot's
-        last worker said (its own answer, read meanwhile, replaces that): a ``/get_server_info``
-        round trip through a server just promoted is not on a recovery's path."""
+        last worker said (its own answer, read ``successor_read_delay_s`` later, replaces that):
+        a ``/get_server_info`` round trip through a server just promoted is not on a
+        recovery's path, nor beside it."""
         load = self._loads.get(endpoint)
         if load is None:
             load = self._loads[endpoint] = _Load()
             known = self._slot_capacity.get(endpoint.slot)
             if known is not None:
                 load.capacity = replace(known)
-            load.learning = asyncio.create_task(self._read_capacity(endpoint, load))
+            delay = self.successor_read_delay_s if known is not None else 0.0
+            load.learning = asyncio.create_task(self._read_capacity(endpoint, load, delay))
         return load.learning if load.capacity is None else None
 
-    async def _read_capacity(self, endpoint: Endpoint, load: _Load) -> None:
+    async def _read_capacity(self, endpoint: Endpoint, load: _Load, delay: float = 0.0) -> None:
+        if delay:
+            await asyncio.sleep(delay)
         capacity = Capacity()  # a worker that does not say is not limited
         timeout = aiohttp.ClientTimeout(total=self.info_timeout_s)
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):

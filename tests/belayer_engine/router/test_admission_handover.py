@@ -1,6 +1,8 @@
 """A recovery never waits on the promoted worker's ``/get_server_info``: the slot's successor
-is sent work at once on what its last worker said (the read runs beside it). The worker
-here is a real aiohttp server that answers the first read and holds every later one."""
+is sent work at once on what its last worker said, and its own read comes later, after the
+handover (it would cross that server's HTTP side and scheduler while they take the re-sent
+requests). The worker here is a real aiohttp server that answers the first read and holds
+every later one."""
 
 from __future__ import annotations
 
@@ -40,17 +42,19 @@ def test_a_promoted_worker_takes_a_recovery_before_its_capacity_is_read():
         table = RoutingTable()
         table.add_slot("w0")
         async with aiohttp.ClientSession() as session:
-            admission = Admission(table, session, max_waiting=16, info_timeout_s=600)
+            delay = 2.0
+            admission = Admission(table, session, max_waiting=16, info_timeout_s=600, successor_read_delay_s=delay)
             first = Endpoint(slot="w0", url=f"http://127.0.0.1:{port}")
             await table.put_in_service(first)
             assert await admission.enter(64, "a", timeout=5) is first  # capacity read: 2 running, 128 tokens
             await table.mark_down("w0", "killed")
             second = Endpoint(slot="w0", url=f"http://127.0.0.1:{port}")
             await table.put_in_service(second)
+            routed = asyncio.get_running_loop().time()
             got = await asyncio.wait_for(admission.enter(64, "b", timeout=5), 5)  # the read of it hangs
             assert got is second
-            await asyncio.wait_for(held.wait(), 5)  # its own read was sent and is still unanswered
-            assert len(reads) == 2
+            await asyncio.wait_for(held.wait(), 5 + delay)  # its own read was sent and is still unanswered
+            assert len(reads) == 2 and reads[1] - routed >= delay, "the successor's read came after the handover"
             # the slot's limits hold for the successor: 128 tokens, one more generation of 64 fits, not two
             assert await asyncio.wait_for(admission.enter(64, "c", timeout=5), 5) is second
             blocked = asyncio.ensure_future(admission.enter(64, "d", timeout=5))
