@@ -59,19 +59,23 @@ def adopt_or_nothing(scheduler, source_sid: str) -> None:
         S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [-1, 0]
 
 
-def bad_rows(slot_rows, in_reserve, rows: int, device) -> list[bool]:
-    """Per row of slots: does any lie outside the pool or in the old reserve (never the dead
-    server's own)? One device sync for all rows."""
+def bad_rows(slot_rows, in_reserve, rows: int) -> list[bool]:
+    """Per row of slots: does any lie outside the pool or in the old reserve (``in_reserve``,
+    a host bool array: never the dead server's own)? One copy of every row to the host,
+    checked there: on an H100 the same check as ten small device ops and a sync took
+    23-25 ms right after a kill (device work came back slowly then; why is not known)."""
+    import numpy as np
     import torch
 
     if not slot_rows:
         return []
-    flat = torch.cat(slot_rows)
-    lengths = torch.tensor([len(r) for r in slot_rows], device=device)
-    owner = torch.repeat_interleave(torch.arange(len(slot_rows), device=device), lengths, output_size=flat.numel())
-    bad = (flat < 1) | (flat >= rows) | in_reserve[flat.clamp(0, rows - 1)]
-    counts = torch.zeros(len(slot_rows), dtype=torch.int64, device=device).index_add_(0, owner, bad.to(torch.int64))
-    return [bool(c) for c in counts.cpu().tolist()]
+    flat = torch.cat(slot_rows).cpu().numpy()
+    bad = (flat < 1) | (flat >= rows)
+    inside = ~bad
+    bad[inside] = in_reserve[flat[inside]]
+    ends = np.cumsum([len(r) for r in slot_rows])
+    counts = np.concatenate(([0], np.cumsum(bad)))
+    return [bool(counts[end] - counts[end - len(r)]) for r, end in zip(slot_rows, ends, strict=True)]
 
 
 def first_device_op(device) -> float:
@@ -90,15 +94,16 @@ def warm_kernels(device) -> None:
     """Run every kind of device op an adoption runs once, on tiny tensors, in a shadow that
     waits: on a GPU the first launch of each kernel loads its module (CUDA's lazy loading,
     milliseconds each), which would otherwise land inside the handover."""
+    import numpy as np
     import torch
 
     first_device_op(device)
     table = torch.ones((2, 8), dtype=torch.int32, device=device)  # the request table's dtype
     idx = table[0, :4].to(device=device, dtype=torch.int64) + torch.arange(4, device=device)
     old_reserve = torch.tensor([12, 13], dtype=torch.int64, device=device)
-    in_reserve = torch.zeros(16, dtype=torch.bool, device=device)
-    in_reserve[old_reserve] = True
-    bad_rows([idx, idx[:2]], in_reserve, 16, device)
+    in_reserve = np.zeros(16, dtype=bool)
+    in_reserve[[12, 13]] = True
+    bad_rows([idx, idx[:2]], in_reserve, 16)
     held = torch.unique(torch.cat([idx[1:3], idx[:2]]))
     everything = torch.unique(torch.cat([idx, idx]))
     own = slots.choose_reserve(16, 2, old_reserve, everything, device)
@@ -119,6 +124,7 @@ def _undo(scheduler) -> None:
 def _adopt(scheduler, source_sid: str) -> None:
     """Take ``source_sid``'s journaled requests into this server's radix cache (their KV stays
     in the arena's pool), then allocate only where no kernel of the dead server can write."""
+    import numpy as np
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -138,8 +144,8 @@ def _adopt(scheduler, source_sid: str) -> None:
         scheduler.flush_cache()  # an idle shadow keeps nothing of its own (registration flushed its warm-up)
     device = S.allocator.device
     old_reserve = torch.from_numpy(src.reserve.copy()).to(device)
-    in_reserve = torch.zeros(S.rows, dtype=torch.bool, device=device)
-    in_reserve[old_reserve] = True
+    in_reserve = np.zeros(S.rows, dtype=bool)
+    in_reserve[src.reserve] = True
     version = int(S.journal.header[jr.H_VERSION])
     in_tree, touched, adopted, tokens = [], [], [], 0
     page_size = max(1, int(getattr(scheduler.tree_cache, "page_size", 1)))
@@ -162,7 +168,7 @@ def _adopt(scheduler, source_sid: str) -> None:
         readable.append((prompt, committed, ids, table[row, :committed].to(device=device, dtype=torch.int64)))
     t_read = time.perf_counter()
     device_wait = first_device_op(device)  # what the GPU makes it wait for, apart from the check
-    untrusted = bad_rows([r[3] for r in readable], in_reserve, S.rows, device)
+    untrusted = bad_rows([r[3] for r in readable], in_reserve, S.rows)
     for (prompt, committed, ids, idx), bad in zip(readable, untrusted, strict=True):
         if bad:
             skipped["slots"] += 1  # not slots the dead server could own: never trusted

@@ -34,9 +34,12 @@ class SlotPlan:
     gate: Callable[[], bool] | None  # None: never opens (a shadow before promotion)
 
 
-def _without(all_slots: torch.Tensor, *excluded: torch.Tensor) -> torch.Tensor:
-    """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it)."""
-    top = max([int(t.max()) for t in (all_slots, *excluded) if t.numel()], default=0)
+def _without(all_slots: torch.Tensor, *excluded: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it).
+    ``rows``: every slot named is below it (no device sync to find the largest: right after
+    a kill an H100 answered device work slowly)."""
+    top = rows - 1 if rows is not None else \
+        max([int(t.max()) for t in (all_slots, *excluded) if t.numel()], default=0)
     keep = torch.ones(top + 1, dtype=torch.bool, device=all_slots.device)
     for e in excluded:
         if e.numel():
@@ -51,7 +54,7 @@ def all_slots(rows: int, device) -> torch.Tensor:
 def worker_plan(rows: int, own_reserve: torch.Tensor, device, gate: Callable[[], bool] | None) -> SlotPlan:
     """A serving worker: all but its reserve, at once or (a cold start after a dead worker)
     once ``gate()``."""
-    every = _without(all_slots(rows, device), own_reserve)
+    every = _without(all_slots(rows, device), own_reserve, rows=rows)
     if gate is None or gate():
         return SlotPlan(free=every, hidden=every[:0], gate=None)
     return SlotPlan(free=every[:0], hidden=every, gate=gate)
@@ -60,15 +63,15 @@ def worker_plan(rows: int, own_reserve: torch.Tensor, device, gate: Callable[[],
 def shadow_plan(rows: int, size: int, worker_reserve: torch.Tensor, device) -> SlotPlan:
     """A shadow: the worker's reserve, and ``size - len(reserve)`` slots it only counts."""
     reserve = torch.sort(worker_reserve.to(device)).values
-    others = _without(all_slots(rows, device), reserve)
+    others = _without(all_slots(rows, device), reserve, rows=rows)
     return SlotPlan(free=reserve, hidden=others[: max(0, size - reserve.numel())], gate=None)
 
 
 def promoted_plan(rows: int, old_reserve: torch.Tensor, adopted: torch.Tensor, new_reserve: torch.Tensor,
                   device, gate: Callable[[], bool]) -> SlotPlan:
     old = torch.sort(old_reserve.to(device)).values
-    free = _without(old, adopted)
-    hidden = _without(all_slots(rows, device), old, adopted, new_reserve)
+    free = _without(old, adopted, rows=rows)
+    hidden = _without(all_slots(rows, device), old, adopted, new_reserve, rows=rows)
     if gate():
         return SlotPlan(free=torch.cat((free, hidden)), hidden=hidden[:0], gate=None)
     return SlotPlan(free=free, hidden=hidden, gate=gate)
@@ -77,7 +80,7 @@ def promoted_plan(rows: int, old_reserve: torch.Tensor, adopted: torch.Tensor, n
 def choose_reserve(rows: int, reserve: int, old_reserve: torch.Tensor, adopted: torch.Tensor, device) -> torch.Tensor:
     """The promoted server's own reserve: ``reserve`` slots it never touched (the highest
     numbered outside the old reserve and what it adopted)."""
-    untouched = _without(all_slots(rows, device), old_reserve, adopted)
+    untouched = _without(all_slots(rows, device), old_reserve, adopted, rows=rows)
     if untouched.numel() < reserve:
         raise RuntimeError(f"KV pool: only {untouched.numel()} untouched slots for a reserve of {reserve}")
     return untouched[-reserve:] if reserve else untouched[:0]

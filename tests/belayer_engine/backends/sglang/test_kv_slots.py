@@ -88,3 +88,20 @@ def test_a_second_promotion_adopts_slots_numbered_past_the_old_reserve():
     plan = slots.promoted_plan(ROWS, second, adopted_second, third, "cpu", gate=lambda: False)
     assert not _set(plan.free) & _set(adopted_second) and not _set(plan.hidden) & _set(adopted_second)
     assert len(plan.free) + len(plan.hidden) + len(adopted_second) == SIZE
+
+
+def test_a_row_with_any_slot_outside_the_pool_or_in_the_old_reserve_is_never_trusted():
+    """The adoption's check of the dead server's rows (``belayer_kv_adopt.bad_rows``), one
+    host copy for every row: slot 0 (SGLang's padding), past the pool, or in the reserve the
+    dead server never owned marks the whole row; empty rows are clean."""
+    import numpy as np
+
+    import belayer_kv_adopt as adopt
+
+    in_reserve = np.zeros(ROWS, dtype=bool)
+    in_reserve[_reserve().numpy()] = True
+    reserved = int(_reserve()[0])
+    rows = [torch.tensor([1, 2, 3]), torch.tensor([4, 0, 5]), torch.tensor([], dtype=torch.int64),
+            torch.tensor([6, ROWS]), torch.tensor([7, reserved]), torch.tensor([-3]), torch.tensor([ROWS - 9, 8])]
+    assert adopt.bad_rows(rows, in_reserve, ROWS) == [False, True, False, True, True, True, False]
+    assert adopt.bad_rows([], in_reserve, ROWS) == []
