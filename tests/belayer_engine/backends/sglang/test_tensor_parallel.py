@@ -107,7 +107,10 @@ def test_both_servers_map_every_ranks_shard_and_an_update_reaches_all_ranks(engi
     arena = ArenaClient(engine.arena_socket())
     cache = arena.weight_cache()
     # two ranks of the worker and two of the shadow fetched their shard: no rank read the disk
-    assert cache["tp_size"] == 2 and cache["fetches"] == 4, cache
+    # (a shadow start that failed and was retried, as two tp=2 servers starting together on a
+    # loaded 2-core machine can, adds at most its two ranks' fetches)
+    retried = sum(e["event"] == "shadow_failed" for e in engine.events())
+    assert cache["tp_size"] == 2 and 4 <= cache["fetches"] <= 4 + 2 * retried, (cache, retried)
     before = {p: _ids(engine, p) for p in PROMPTS}
     lm_head = load_file(ensure_embedded_model() / "model.safetensors")["lm_head.weight"]
     version = engine.update_weights({"lm_head.weight": lm_head.flip(0)})  # rows split over the ranks
