@@ -208,10 +208,11 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             entry.setdefault("decode_step_s", {})[f"{context}x{inflight}"] = _stats(gaps)
             for kill_after in args.kill_after:
                 key = f"{context}x{inflight}" + (f"@{kill_after}" if len(args.kill_after) > 1 else "")
-                profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key}_pyspy.txt" \
-                    if args.profile else None
+                # no "@" in a file name: the GPU machine's tool does not bring such files back
+                profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_pyspy.json" \
+                    if args.profile or args.profile_native else None
                 entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen,
-                                                   profile)
+                                                   profile, args.profile_native)
                 entry["cells"][key].update(context=context, inflight=inflight)
                 cell = entry["cells"][key]
                 router = {k: (v.get("p50"), v.get("max")) for k, v in cell["router_s"].items()}
@@ -222,14 +223,18 @@ def run_mode(mode: str, args, result: dict, save) -> None:
 
 
 def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen: set,
-                 profile: Path | None = None) -> dict:
+                 profile: Path | None = None, native: bool = False) -> dict:
     """The cell's prompts again, the serving server SIGKILLed once each has ``kill_after`` ids
     (with ``profile``: while py-spy samples the shadow's processes, see ``_profiled_kill``)."""
     spy = []
-    kill = _profiled_kill(engine, profile, spy) if profile is not None else None
+    kill = _profiled_kill(engine, profile, spy, native) if profile is not None else None
     killed = asyncio.run(run_cell(engine, prompts, max_new, kill_after, kill))
     for proc in spy:
         proc.communicate(timeout=60)
+    if profile is not None:  # when each of the shadow's threads was busy, beside the profile
+        from _pyspy_timeline import timeline
+
+        profile.with_suffix(".timeline.txt").write_text(timeline(profile, thread="", until_ms=300) + "\n")
     engine.wait_ready(timeout=900, stable=True)
     events = engine.events()
     handover = [e for e in events if e["event"] == "handover"][-1]
@@ -257,12 +262,15 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
 PROFILE_S = 1  # s (py-spy takes whole seconds): the handover and the continuations' first steps
 
 
-def _profiled_kill(engine, out: Path, spies: list):
+def _profiled_kill(engine, out: Path, spies: list, native: bool = False):
     """A kill that starts py-spy on the shadow (its HTTP process, scheduler and detokenizer:
     ``--subprocesses``, every thread, 2 kHz, not pausing them) for PROFILE_S s, waits until it
     samples, then SIGKILLs the serving server: what each shadow process runs, or where it
     waits (``--idle``: waiting threads are sampled too), between the kill and the
-    continuations' first tokens. Raw (collapsed) stacks."""
+    continuations' first tokens. Chrome trace (timed samples: ``_pyspy_timeline.py``
+    says when each thread was busy). ``native``: C/C++ frames too (a thread inside a driver
+    call or waiting for the GIL shows where, not as an idle Python frame), 500 Hz, each
+    process paused per sample."""
     if shutil.which("py-spy") is None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy; on the GPU machine carry its binary)")
     shadow = engine.supervisor.slots[0].shadow
@@ -270,9 +278,11 @@ def _profiled_kill(engine, out: Path, spies: list):
         raise SystemExit("--profile: the slot has no shadow to profile")
 
     def kill() -> None:
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--subprocesses", "--threads",
-                                "--idle", "--rate", "2000", "--duration", str(PROFILE_S), "--format", "raw", "--nonblocking",
-                                "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # native stacks need each process paused per sample: fewer samples then
+        how = ["--native", "--rate", "500"] if native else ["--nonblocking", "--rate", "2000"]
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--subprocesses", "--threads", "--idle",
+                                *how, "--duration", str(PROFILE_S), "--format", "chrometrace", "--output", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         spies.append(spy)
         for line in spy.stdout:  # py-spy says when it samples
             if "Sampling process" in line:
@@ -308,7 +318,8 @@ def main() -> None:
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--plain", action="store_true", help="also measure a plain SGLang server's memory at the same KV")
     p.add_argument("--profile", action="store_true", help="py-spy samples the shadow's processes for 1 s from the "
-                   "kill of each cell (raw stacks beside the JSON; needs py-spy on PATH)")
+                   "kill of each cell (a chrome trace and its per-thread timeline beside the JSON; needs py-spy on PATH)")
+    p.add_argument("--profile-native", action="store_true", help="--profile with C/C++ frames (py-spy --native)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -26,6 +27,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -97,22 +99,31 @@ def plain_restart(tp: int, args, prompt: list[int]) -> dict:
                              venv=args.sglang_venv, max_total_tokens=args.kv_tokens, context_length=args.context,
                              extra_args=["--tp-size", str(tp), *args.worker_arg])
     t0 = time.monotonic()
-    proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{cfg.port}"
+    with tempfile.TemporaryFile() as log:  # the server's output: an error names its last lines
+        proc = subprocess.Popen(server_argv(cfg), env=server_env(cfg), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return _first_token(proc, log, f"http://127.0.0.1:{cfg.port}", prompt, tp, t0)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # exited by itself
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _first_token(proc, log, url: str, prompt: list[int], tp: int, t0: float) -> dict:
     try:
         wait_healthy(proc, url)
-        body = json.dumps({"input_ids": prompt, "stream": True,
-                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
-        req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=900) as resp:
-            for line in resp:
-                if line.startswith(b"data:"):
-                    return {"tp": tp, "start_to_first_token_s": round(time.monotonic() - t0, 2)}
-        raise RuntimeError(f"plain tp {tp} server sent no token")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except RuntimeError as exc:
+        log.seek(0)
+        raise RuntimeError(f"{exc}: {log.read().decode(errors='replace')[-1500:]}") from exc
+    body = json.dumps({"input_ids": prompt, "stream": True,
+                       "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        for line in resp:
+            if line.startswith(b"data:"):
+                return {"tp": tp, "start_to_first_token_s": round(time.monotonic() - t0, 2)}
+    raise RuntimeError(f"plain tp {tp} server sent no token")
 
 
 def main() -> None:
@@ -152,7 +163,10 @@ def main() -> None:
             print(f"tp {tp} failed: {exc}", file=sys.stderr, flush=True)
         if args.plain:
             prompt = [random.Random(1).randrange(1, args.vocab) for _ in range(args.cells[0][0] - args.max_new)]
-            result["plain"][str(tp)] = plain_restart(tp, args, prompt)
+            try:
+                result["plain"][str(tp)] = plain_restart(tp, args, prompt)
+            except Exception as exc:  # as for the engine: one size's failure is a result too
+                result["plain"][str(tp)] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             print(f"plain tp {tp}: {result['plain'][str(tp)]}", flush=True)
         save()
     print(f"wrote {path}")
