@@ -94,9 +94,8 @@ def test_a_row_with_any_slot_outside_the_pool_or_in_the_old_reserve_is_never_tru
     """The adoption's check of the dead server's rows (``belayer_kv_adopt.bad_rows``), one
     host copy for every row: slot 0 (SGLang's padding), past the pool, or in the reserve the
     dead server never owned marks the whole row; empty rows are clean."""
-    import numpy as np
-
     import belayer_kv_adopt as adopt
+    import numpy as np
 
     in_reserve = np.zeros(ROWS, dtype=bool)
     in_reserve[_reserve().numpy()] = True
