@@ -5,6 +5,7 @@ closing at that moment (a reset, then a failed request on a healthy worker)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 from aiohttp import web
@@ -43,3 +44,18 @@ def test_an_idle_worker_connection_is_dropped_before_the_worker_closes_it():
 
     assert len(asyncio.run(scenario(aiohttp.TCPConnector))) == 1, "aiohttp alone reuses it (15 s)"
     assert len(asyncio.run(scenario(worker_connector))) == 2, "the second request went out on a new connection"
+
+
+def test_a_port_for_a_child_is_one_the_kernel_never_hands_out_by_itself():
+    """An SGLang server binds its HTTP port ~30 s after the engine chose it; an ephemeral port
+    could be taken meanwhile by any bind(0) or outgoing connection (a server starting beside
+    it took one: EADDRINUSE)."""
+    from belayer_engine.common.net import _ephemeral_range, child_ports, free_port
+
+    low, high = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert ports <= set(child_ports()) and not any(low <= p <= high for p in ports)
+    assert not any(10002 <= p <= 19999 or 22000 <= p <= 29999 for p in ports), "Ray's and SGLang's own ranges"
+    for port in ports:  # free now: a child can bind it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
