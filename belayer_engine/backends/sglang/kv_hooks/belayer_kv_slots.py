@@ -34,13 +34,11 @@ class SlotPlan:
     gate: Callable[[], bool] | None  # None: never opens (a shadow before promotion)
 
 
-def _without(all_slots: torch.Tensor, *excluded: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it).
-    ``rows``: every slot named is below it (no device sync to find the largest: right after
-    a kill an H100 answered device work slowly)."""
-    top = rows - 1 if rows is not None else \
-        max([int(t.max()) for t in (all_slots, *excluded) if t.numel()], default=0)
-    keep = torch.ones(top + 1, dtype=torch.bool, device=all_slots.device)
+def _without(all_slots: torch.Tensor, *excluded: torch.Tensor, rows: int) -> torch.Tensor:
+    """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it); every
+    slot named is below ``rows`` (no device sync to find the largest: right after a kill an
+    H100 answered device work slowly)."""
+    keep = torch.ones(rows, dtype=torch.bool, device=all_slots.device)
     for e in excluded:
         if e.numel():
             keep[e.to(all_slots.device)] = False
