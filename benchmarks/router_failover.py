@@ -31,7 +31,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,15 +49,10 @@ from belayer_engine.backends.sglang.launcher import (  # noqa: E402
     venv_python,
 )
 from belayer_engine.backends.sglang.model_dir import ensure_embedded_model  # noqa: E402
+from belayer_engine.common.net import free_port  # noqa: E402
 from benchmarks._plotting import pyplot, save_result  # noqa: E402
 
 START_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, path: str, timeout: float = 5.0) -> int:

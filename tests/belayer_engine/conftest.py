@@ -6,7 +6,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from belayer_engine.common.net import free_port  # noqa: F401 - the engine's own: ports the kernel never hands out
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def poll(predicate, timeout: float, what: str, interval: float = 0.02):
