@@ -59,3 +59,17 @@ def tree_gpu_mib(gpu: dict[int, float], pid: int) -> float | None:
     """GPU MiB of a process and its descendants (an SGLang server's scheduler holds it)."""
     used = [gpu[p] for p in tree(pid) if p in gpu]
     return sum(used) if used else None
+
+
+def tree_gpu_parts(gpu: dict[int, float], pid: int) -> list[list]:
+    """[pid, process name, MiB] of each process of the tree that holds GPU memory: which of a
+    server's processes (its HTTP process, scheduler, detokenizer) holds a CUDA context."""
+    parts = []
+    for p in tree(pid):
+        if p in gpu:
+            try:
+                name = Path(f"/proc/{p}/comm").read_text().strip()
+            except OSError:
+                name = "?"
+            parts.append([p, name, gpu[p]])
+    return parts

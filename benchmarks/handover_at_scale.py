@@ -145,7 +145,8 @@ def _memory(engine) -> dict:
     for role, proc in (("arena", slot.arena), ("worker", slot.worker), ("shadow", slot.shadow)):
         if proc is None:
             continue
-        out[role] = {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1]}
+        out[role] = {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1],
+                     "gpu_parts": procmem.tree_gpu_parts(gpu, proc.pid)}
     if gpu:
         out["engine_gpu_mib"] = sum(v["gpu_mib"] or 0 for v in out.values())
     return out
@@ -169,7 +170,8 @@ def _plain_memory(args) -> dict:
     try:
         wait_healthy(proc, f"http://127.0.0.1:{cfg.port}")
         gpu = procmem.gpu_mib()
-        return {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1]}
+        return {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1],
+                "gpu_parts": procmem.tree_gpu_parts(gpu, proc.pid)}
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -206,8 +208,10 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             # the fault-free run's time between two ids at the client: one decode step of the cell
             gaps = [b[0] - a[0] for r in reference for a, b in zip(r["chunks"][1:], r["chunks"][2:], strict=False)]
             entry.setdefault("decode_step_s", {})[f"{context}x{inflight}"] = _stats(gaps)
-            for kill_after in args.kill_after:
+            for n, kill_after in enumerate(args.kill_after):
                 key = f"{context}x{inflight}" + (f"@{kill_after}" if len(args.kill_after) > 1 else "")
+                if args.kill_after.index(kill_after) < n:  # the same point again: its own cell
+                    key += f"-{args.kill_after[:n + 1].count(kill_after)}"
                 # no "@" in a file name: the GPU machine's tool does not bring such files back
                 profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_pyspy.json" \
                     if args.profile or args.profile_native else None
@@ -239,6 +243,9 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
     events = engine.events()
     handover = [e for e in events if e["event"] == "handover"][-1]
     detected = max(i for i, e in enumerate(events) if e["event"] == "detected")
+    # how long the shadow that took over had been ready: a long-idle one may answer slower
+    ready = [e for e in events[:detected] if e["event"] == "shadow_ready"]
+    shadow_ready_s = killed[0]["t_kill_wall"] - ready[-1]["wall"] if ready and "wall" in ready[-1] else None
     per = []
     for k, r in zip(killed, reference, strict=True):
         belayer = k["meta"].get("belayer") or {}
@@ -252,6 +259,7 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
     return {"kill_after": kill_after, "next_token_s": _stats([p["next_token_s"] for p in per]), "router_s": router,
             "kill_wall": killed[0]["t_kill_wall"],  # the servers' log lines give wall times too
             "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
+            "shadow_ready_before_kill_s": shadow_ready_s,
             # the router's loop: the longest it went without running after the handover, and when
             "loop_stall": {k: stall[0][k] for k in ("longest_s", "began_s")} if stall else None,
             "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
