@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -15,7 +16,7 @@ def plot(result: dict, path: Path) -> None:
         return
     modes = [m for m, v in result["modes"].items() if v.get("cells")]
     cells = sorted({c for m in modes for c in result["modes"][m]["cells"]},
-                   key=lambda c: tuple(int(v) for v in c.replace("@", "x").split("x")))
+                   key=lambda c: tuple(int(v) for v in re.findall(r"\d+", c)))  # "8192x16@16-2": a repeated kill point
     if not modes or not cells:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cells) * len(modes) / 2), 4))
