@@ -327,7 +327,9 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="also measure a plain SGLang server's memory at the same KV")
     p.add_argument("--profile", action="store_true", help="py-spy samples the shadow's processes for 1 s from the "
                    "kill of each cell (a chrome trace and its per-thread timeline beside the JSON; needs py-spy on PATH)")
-    p.add_argument("--profile-native", action="store_true", help="--profile with C/C++ frames (py-spy --native)")
+    p.add_argument("--profile-native", action="store_true", help="--profile with C/C++ frames (py-spy --native: "
+                   "it pauses every process per sample; on the H100 the handover then took 1.6 s and ms-long stalls "
+                   "were sampled too sparsely to place)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))

@@ -59,23 +59,42 @@ def adopt_or_nothing(scheduler, source_sid: str) -> None:
         S.journal.header[jr.H_ADOPTED_ROWS:jr.H_ADOPTED_TOKENS + 1] = [-1, 0]
 
 
-def bad_rows(slot_rows, in_reserve, rows: int) -> list[bool]:
-    """Per row of slots: does any lie outside the pool or in the old reserve (``in_reserve``,
-    a host bool array: never the dead server's own)? One copy of every row to the host,
-    checked there: on an H100 the same check as ten small device ops and a sync took
-    23-25 ms right after a kill (device work came back slowly then; why is not known)."""
+def bad_rows(flat, lengths: list[int], in_reserve, rows: int) -> list[bool]:
+    """Per row of slots (``flat``: every row's slots end to end on the host, ``lengths`` each
+    row's count): does any lie outside the pool or in the old reserve (``in_reserve``, a host
+    bool array: never the dead server's own)? Checked on the host: on an H100 the same check
+    as ten small device ops and a sync took 23-25 ms right after a kill."""
     import numpy as np
-    import torch
 
-    if not slot_rows:
+    if not lengths:
         return []
-    flat = torch.cat(slot_rows).cpu().numpy()
+    flat = np.asarray(flat, dtype=np.int64)
     bad = (flat < 1) | (flat >= rows)
     inside = ~bad
     bad[inside] = in_reserve[flat[inside]]
-    ends = np.cumsum([len(r) for r in slot_rows])
+    ends = np.cumsum(lengths)
     counts = np.concatenate(([0], np.cumsum(bad)))
-    return [bool(counts[end] - counts[end - len(r)]) for r, end in zip(slot_rows, ends, strict=True)]
+    return [bool(counts[end] - counts[end - n]) for n, end in zip(lengths, ends, strict=True)]
+
+
+def read_rows(table, rows: list[tuple[int, int]]):
+    """The slots of each (row, committed) of the dead server's request table, end to end: on
+    the device (one gather; the radix tree keeps views of it) and on the host (one copy: the
+    only wait for the device until the plan's upload)."""
+    import torch
+
+    views = [table[row, :committed] for row, committed in rows]
+    on_device = torch.cat(views).to(torch.int64) if views else table.new_zeros(0, dtype=torch.int64)
+    return on_device, on_device.cpu().numpy()
+
+
+def radix_key(ids):
+    """SGLang's radix key for token ids from the journal (int32): one buffer copy, not a
+    Python list of 8K ints."""
+    import numpy as np
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", np.ascontiguousarray(ids, dtype=np.int64).tobytes()))
 
 
 def first_device_op(device) -> float:
@@ -99,17 +118,15 @@ def warm_kernels(device) -> None:
 
     first_device_op(device)
     table = torch.ones((2, 8), dtype=torch.int32, device=device)  # the request table's dtype
-    idx = table[0, :4].to(device=device, dtype=torch.int64) + torch.arange(4, device=device)
-    old_reserve = torch.tensor([12, 13], dtype=torch.int64, device=device)
+    on_device, flat = read_rows(table, [(0, 4), (1, 2)])
+    on_device[:4].clone()  # the radix tree's copy of a row
     in_reserve = np.zeros(16, dtype=bool)
     in_reserve[[12, 13]] = True
-    bad_rows([idx, idx[:2]], in_reserve, 16)
-    held = torch.unique(torch.cat([idx[1:3], idx[:2]]))
-    everything = torch.unique(torch.cat([idx, idx]))
-    own = slots.choose_reserve(16, 2, old_reserve, everything, device)
-    own.cpu().numpy()
-    slots.promoted_plan(16, old_reserve, held, own, device, lambda: False)
-    slots.promoted_plan(16, old_reserve, held, own, device, lambda: True)
+    bad_rows(flat, [4, 2], in_reserve, 16)
+    old_reserve = np.array([12, 13])
+    own = slots.choose_reserve(16, 2, old_reserve, slots.unique(16, flat))
+    slots.promoted_plan(16, old_reserve, slots.unique(16, flat[1:3]), own, device, lambda: False)
+    slots.promoted_plan(16, old_reserve, slots.unique(16, flat[1:3]), own, device, lambda: True)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -125,9 +142,7 @@ def _adopt(scheduler, source_sid: str) -> None:
     """Take ``source_sid``'s journaled requests into this server's radix cache (their KV stays
     in the arena's pool), then allocate only where no kernel of the dead server can write."""
     import numpy as np
-    import torch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     t0 = time.perf_counter()
     if S.promoted:
@@ -143,9 +158,9 @@ def _adopt(scheduler, source_sid: str) -> None:
     if scheduler.tree_cache.evictable_size() or scheduler.tree_cache.protected_size():
         scheduler.flush_cache()  # an idle shadow keeps nothing of its own (registration flushed its warm-up)
     device = S.allocator.device
-    old_reserve = torch.from_numpy(src.reserve.copy()).to(device)
+    old_reserve = src.reserve.copy()
     in_reserve = np.zeros(S.rows, dtype=bool)
-    in_reserve[src.reserve] = True
+    in_reserve[old_reserve] = True
     version = int(S.journal.header[jr.H_VERSION])
     in_tree, touched, adopted, tokens = [], [], [], 0
     page_size = max(1, int(getattr(scheduler.tree_cache, "page_size", 1)))
@@ -165,29 +180,32 @@ def _adopt(scheduler, source_sid: str) -> None:
         if ids is None:
             skipped["changed"] += 1
             continue
-        readable.append((prompt, committed, ids, table[row, :committed].to(device=device, dtype=torch.int64)))
+        readable.append((prompt, committed, ids, row))
     t_read = time.perf_counter()
     device_wait = first_device_op(device)  # what the GPU makes it wait for, apart from the check
-    untrusted = bad_rows([r[3] for r in readable], in_reserve, S.rows)
-    for (prompt, committed, ids, idx), bad in zip(readable, untrusted, strict=True):
+    on_device, flat = read_rows(table, [(r[3], r[1]) for r in readable])
+    lengths = [r[1] for r in readable]
+    untrusted = bad_rows(flat, lengths, in_reserve, S.rows)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    for (prompt, committed, ids, _), bad, end in zip(readable, untrusted, ends.tolist(), strict=True):
+        begin = end - committed
         if bad:
             skipped["slots"] += 1  # not slots the dead server could own: never trusted
             continue
-        cached = scheduler.tree_cache.insert(InsertParams(key=RadixKey(array("q", ids.tolist())), value=idx.clone()))
+        cached = scheduler.tree_cache.insert(InsertParams(key=radix_key(ids), value=on_device[begin:end]))
         # the tree keeps only slots past what it already held for these ids: two requests of one
         # prompt that each computed their own copy leave the second copy's slots to the allocator
         # (hidden until the reap, like every other slot the dead server may still write)
         aligned = committed // page_size * page_size
-        in_tree.append(idx[cached.prefix_len:aligned])
-        touched.append(idx)
+        in_tree.append(flat[begin + cached.prefix_len:begin + aligned])
+        touched.append(flat[begin:end])
         adopted.append((prompt, committed, ids))
         tokens += committed
     rows_ok = len(adopted)
     t_rows = time.perf_counter()
-    held = torch.unique(torch.cat(in_tree)) if in_tree else old_reserve[:0]
-    everything = torch.unique(torch.cat(touched)) if touched else old_reserve[:0]
-    own = slots.choose_reserve(S.rows, S.reserve, old_reserve, everything, device)
-    S.journal.reserve[:] = own.cpu().numpy()
+    held = slots.unique(S.rows, *in_tree)
+    own = slots.choose_reserve(S.rows, S.reserve, old_reserve, slots.unique(S.rows, *touched))
+    S.journal.reserve[:] = own
     S.promoted, S.adopted_reserve = True, old_reserve
     apply_plan(S.allocator, slots.promoted_plan(S.rows, old_reserve, held, own, device, source_reaped))
     S.allocator.release_pages = S.allocator.free_pages[:0].clone()
@@ -200,6 +218,6 @@ def _adopt(scheduler, source_sid: str) -> None:
     t_end = S.adopted_at = time.perf_counter()
     ms = {"source": t_source - t0, "read": t_read - t_source, "first device op": device_wait,
           "rows": t_rows - t_read - device_wait, "plan": t_plan - t_rows, "arena": t_end - t_plan}
-    say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.numel()} slots) from {source_sid}, "
+    say(f"adopted {rows_ok} requests ({tokens} tokens of KV, {held.size} slots) from {source_sid}, "
         f"{cut} cut to their write before the kill, skipped {skipped}, in {1e3 * (t_end - t0):.1f} ms "
         f"({', '.join(f'{k} {1e3 * v:.1f}' for k, v in ms.items())})")

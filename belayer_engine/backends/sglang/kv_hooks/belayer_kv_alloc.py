@@ -40,10 +40,8 @@ def patch_allocator(module) -> None:
 
 
 def _plan_for_clear(allocator) -> slots.SlotPlan:
-    import torch
-
     device = allocator.device
-    own = torch.from_numpy(S.journal.reserve.copy()).to(device)
+    own = S.journal.reserve.copy()
     if S.promoted and S.adopted_reserve is not None and S.source_journal is not None \
             and not S.source_journal.header[jr.H_REAPED]:
         return slots.promoted_plan(S.rows, S.adopted_reserve, own[:0], own, device, source_reaped)
@@ -55,8 +53,7 @@ def _plan_for_clear(allocator) -> slots.SlotPlan:
         if time.monotonic() > deadline:
             raise RuntimeError(f"belayer kv: the serving worker's reserve never became ready ({S.source['sid']})")
         time.sleep(0.01)
-    worker_reserve = torch.from_numpy(S.source_journal.reserve.copy())
-    return slots.shadow_plan(S.rows, allocator.size, worker_reserve, device)
+    return slots.shadow_plan(S.rows, allocator.size, S.source_journal.reserve.copy(), device)
 
 
 def apply_plan(allocator, plan: slots.SlotPlan) -> None:

@@ -13,7 +13,10 @@ always counts ``size`` (SGLang checks that count when idle). Which slots they ar
   An allocation that needs more than the free slots waits for the gate.
 - a worker started cold after a dead one: nothing free until that one is reaped.
 
-Standard library and torch only (runs in SGLang's interpreter).
+Computed on the host (numpy) and uploaded once per plan: right after a kill the GPU still
+runs what the dead server queued, and each round trip to it (a sync, a boolean index, a
+unique) came back in 1-2 ms on an H100; a plan on the device took several. Standard library,
+numpy and torch only (runs in SGLang's interpreter).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -34,53 +38,72 @@ class SlotPlan:
     gate: Callable[[], bool] | None  # None: never opens (a shadow before promotion)
 
 
-def _without(all_slots: torch.Tensor, *excluded: torch.Tensor, rows: int) -> torch.Tensor:
+def host(slots) -> np.ndarray:
+    """Slot numbers as a host int64 array (from a tensor anywhere, an array or a list)."""
+    if isinstance(slots, torch.Tensor):
+        slots = slots.detach().cpu().numpy()
+    return np.asarray(slots, dtype=np.int64).reshape(-1)
+
+
+def unique(rows: int, *parts) -> np.ndarray:
+    """The sorted distinct slots of ``parts`` (each below ``rows``): a mask over the pool, not
+    a sort."""
+    mask = np.zeros(rows, dtype=bool)
+    for part in parts:
+        mask[host(part)] = True
+    return np.flatnonzero(mask)
+
+
+def _without(all_slots: np.ndarray, *excluded, rows: int) -> np.ndarray:
     """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it); every
-    slot named is below ``rows`` (no device sync to find the largest: right after a kill an
-    H100 answered device work slowly)."""
-    keep = torch.ones(rows, dtype=torch.bool, device=all_slots.device)
+    slot named is below ``rows``."""
+    keep = np.ones(rows, dtype=bool)
     for e in excluded:
-        if e.numel():
-            keep[e.to(all_slots.device)] = False
+        keep[host(e)] = False
     return all_slots[keep[all_slots]]
 
 
-def all_slots(rows: int, device) -> torch.Tensor:
-    return torch.arange(1, rows, dtype=torch.int64, device=device)
+def all_slots(rows: int) -> np.ndarray:
+    return np.arange(1, rows, dtype=np.int64)
 
 
-def worker_plan(rows: int, own_reserve: torch.Tensor, device, gate: Callable[[], bool] | None) -> SlotPlan:
+def _plan(free: np.ndarray, hidden: np.ndarray, device, gate: Callable[[], bool] | None) -> SlotPlan:
+    """The plan on ``device``: one upload, ``free`` and ``hidden`` views of it."""
+    both = torch.from_numpy(np.concatenate((free, hidden))).to(device)
+    return SlotPlan(free=both[: len(free)], hidden=both[len(free):], gate=gate)
+
+
+def worker_plan(rows: int, own_reserve, device, gate: Callable[[], bool] | None) -> SlotPlan:
     """A serving worker: all but its reserve, at once or (a cold start after a dead worker)
     once ``gate()``."""
-    every = _without(all_slots(rows, device), own_reserve, rows=rows)
+    every = _without(all_slots(rows), own_reserve, rows=rows)
     if gate is None or gate():
-        return SlotPlan(free=every, hidden=every[:0], gate=None)
-    return SlotPlan(free=every[:0], hidden=every, gate=gate)
+        return _plan(every, every[:0], device, None)
+    return _plan(every[:0], every, device, gate)
 
 
-def shadow_plan(rows: int, size: int, worker_reserve: torch.Tensor, device) -> SlotPlan:
+def shadow_plan(rows: int, size: int, worker_reserve, device) -> SlotPlan:
     """A shadow: the worker's reserve, and ``size - len(reserve)`` slots it only counts."""
-    reserve = torch.sort(worker_reserve.to(device)).values
-    others = _without(all_slots(rows, device), reserve, rows=rows)
-    return SlotPlan(free=reserve, hidden=others[: max(0, size - reserve.numel())], gate=None)
+    reserve = np.sort(host(worker_reserve))
+    others = _without(all_slots(rows), reserve, rows=rows)
+    return _plan(reserve, others[: max(0, size - reserve.size)], device, None)
 
 
-def promoted_plan(rows: int, old_reserve: torch.Tensor, adopted: torch.Tensor, new_reserve: torch.Tensor,
-                  device, gate: Callable[[], bool]) -> SlotPlan:
-    old = torch.sort(old_reserve.to(device)).values
+def promoted_plan(rows: int, old_reserve, adopted, new_reserve, device, gate: Callable[[], bool]) -> SlotPlan:
+    old = np.sort(host(old_reserve))
     free = _without(old, adopted, rows=rows)
-    hidden = _without(all_slots(rows, device), old, adopted, new_reserve, rows=rows)
+    hidden = _without(all_slots(rows), old, adopted, new_reserve, rows=rows)
     if gate():
-        return SlotPlan(free=torch.cat((free, hidden)), hidden=hidden[:0], gate=None)
-    return SlotPlan(free=free, hidden=hidden, gate=gate)
+        return _plan(np.concatenate((free, hidden)), hidden[:0], device, None)
+    return _plan(free, hidden, device, gate)
 
 
-def choose_reserve(rows: int, reserve: int, old_reserve: torch.Tensor, adopted: torch.Tensor, device) -> torch.Tensor:
+def choose_reserve(rows: int, reserve: int, old_reserve, adopted) -> np.ndarray:
     """The promoted server's own reserve: ``reserve`` slots it never touched (the highest
-    numbered outside the old reserve and what it adopted)."""
-    untouched = _without(all_slots(rows, device), old_reserve, adopted, rows=rows)
-    if untouched.numel() < reserve:
-        raise RuntimeError(f"KV pool: only {untouched.numel()} untouched slots for a reserve of {reserve}")
+    numbered outside the old reserve and what it adopted), on the host."""
+    untouched = _without(all_slots(rows), old_reserve, adopted, rows=rows)
+    if untouched.size < reserve:
+        raise RuntimeError(f"KV pool: only {untouched.size} untouched slots for a reserve of {reserve}")
     return untouched[-reserve:] if reserve else untouched[:0]
 
 

@@ -41,7 +41,7 @@ def test_a_worker_and_its_shadow_never_share_a_free_slot():
 def test_a_promoted_shadow_takes_only_the_old_reserve_until_the_dead_worker_is_reaped():
     reserve = _reserve()
     adopted = torch.tensor([3, 4, 5, 20, 21])
-    new = slots.choose_reserve(ROWS, RESERVE, reserve, adopted, "cpu")
+    new = slots.choose_reserve(ROWS, RESERVE, reserve, adopted)
     assert len(new) == RESERVE and not _set(new) & (_set(reserve) | _set(adopted))
     reaped = []
     plan = slots.promoted_plan(ROWS, reserve, adopted, new, "cpu", gate=lambda: bool(reaped))
@@ -58,7 +58,7 @@ def test_a_promoted_shadow_takes_only_the_old_reserve_until_the_dead_worker_is_r
 def test_a_promoted_shadow_whose_predecessor_is_already_reaped_takes_everything_at_once():
     reserve = _reserve()
     adopted = torch.tensor([1, 2])
-    new = slots.choose_reserve(ROWS, RESERVE, reserve, adopted, "cpu")
+    new = slots.choose_reserve(ROWS, RESERVE, reserve, adopted)
     plan = slots.promoted_plan(ROWS, reserve, adopted, new, "cpu", gate=lambda: True)
     assert plan.gate is None and not len(plan.hidden)
     assert _set(plan.free) == set(range(1, ROWS)) - _set(adopted) - _set(new)
@@ -73,7 +73,7 @@ def test_a_cold_worker_after_a_dead_one_takes_nothing_before_the_reap():
 
 def test_a_reserve_that_cannot_be_found_is_an_error():
     with pytest.raises(RuntimeError, match="untouched slots"):
-        slots.choose_reserve(ROWS, RESERVE, _reserve(), torch.arange(1, ROWS), "cpu")
+        slots.choose_reserve(ROWS, RESERVE, _reserve(), torch.arange(1, ROWS))
 
 
 def test_a_second_promotion_adopts_slots_numbered_past_the_old_reserve():
@@ -81,10 +81,10 @@ def test_a_second_promotion_adopts_slots_numbered_past_the_old_reserve():
     its own reserve was chosen lower down: its successor adopts slots above that reserve."""
     first = _reserve()
     adopted_first = torch.tensor([2, 3])
-    second = slots.choose_reserve(ROWS, RESERVE, first, adopted_first, "cpu")
+    second = slots.choose_reserve(ROWS, RESERVE, first, adopted_first)
     assert int(second.max()) < int(first.min())
     adopted_second = torch.tensor([int(first.min()), int(first.max()), 4])  # written from the first reserve
-    third = slots.choose_reserve(ROWS, RESERVE, second, adopted_second, "cpu")
+    third = slots.choose_reserve(ROWS, RESERVE, second, adopted_second)
     plan = slots.promoted_plan(ROWS, second, adopted_second, third, "cpu", gate=lambda: False)
     assert not _set(plan.free) & _set(adopted_second) and not _set(plan.hidden) & _set(adopted_second)
     assert len(plan.free) + len(plan.hidden) + len(adopted_second) == SIZE
@@ -102,5 +102,35 @@ def test_a_row_with_any_slot_outside_the_pool_or_in_the_old_reserve_is_never_tru
     reserved = int(_reserve()[0])
     rows = [torch.tensor([1, 2, 3]), torch.tensor([4, 0, 5]), torch.tensor([], dtype=torch.int64),
             torch.tensor([6, ROWS]), torch.tensor([7, reserved]), torch.tensor([-3]), torch.tensor([ROWS - 9, 8])]
-    assert adopt.bad_rows(rows, in_reserve, ROWS) == [False, True, False, True, True, True, False]
-    assert adopt.bad_rows([], in_reserve, ROWS) == []
+    flat = torch.cat(rows).numpy()
+    assert adopt.bad_rows(flat, [len(r) for r in rows], in_reserve, ROWS) == \
+        [False, True, False, True, True, True, False]
+    assert adopt.bad_rows(flat[:0], [], in_reserve, ROWS) == []
+
+
+def test_the_distinct_slots_of_several_parts_come_back_sorted():
+    parts = [torch.tensor([9, 3, 3]), torch.tensor([], dtype=torch.int64), torch.tensor([5, 9, 1])]
+    assert slots.unique(ROWS, *parts).tolist() == [1, 3, 5, 9]
+    assert slots.unique(ROWS).tolist() == []
+
+
+def test_the_dead_servers_rows_are_copied_end_to_end_and_never_alias_its_table():
+    """``belayer_kv_adopt.read_rows``: one gather on the device (what the radix tree keeps),
+    one host copy (what the checks and the slot plans read), both owned by the successor:
+    the dead server's table is reused by the next server that attaches."""
+    import belayer_kv_adopt as adopt
+
+    table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    on_device, flat = adopt.read_rows(table, [(1, 3), (3, 2), (0, 0)])
+    assert flat.tolist() == [10, 11, 12, 30, 31] and on_device.dtype == torch.int64
+    assert on_device.tolist() == flat.tolist()
+    table.zero_()
+    assert on_device.tolist() == flat.tolist() == [10, 11, 12, 30, 31]
+    empty, nothing = adopt.read_rows(table, [])
+    assert not empty.numel() and not nothing.size
+
+
+def test_a_plans_free_and_hidden_slots_are_on_the_servers_device_as_int64():
+    plan = slots.promoted_plan(ROWS, _reserve(), torch.tensor([3]), torch.arange(10, 18), "cpu", gate=lambda: False)
+    assert plan.free.dtype == plan.hidden.dtype == torch.int64
+    assert plan.free.device.type == plan.hidden.device.type == "cpu"
