@@ -61,15 +61,15 @@ def tree_gpu_mib(gpu: dict[int, float], pid: int) -> float | None:
     return sum(used) if used else None
 
 
-def tree_gpu_parts(gpu: dict[int, float], pid: int) -> list[list]:
-    """[pid, process name, MiB] of each process of the tree that holds GPU memory: which of a
-    server's processes (its HTTP process, scheduler, detokenizer) holds a CUDA context."""
-    parts = []
+def gpu_by_process(gpu: dict[int, float], pid: int) -> dict[str, float]:
+    """GPU MiB of each process of a server's tree that holds any, by ``pid name``: which of
+    its processes (HTTP process, scheduler, detokenizer) holds a CUDA context."""
+    out = {}
     for p in tree(pid):
         if p in gpu:
             try:
                 name = Path(f"/proc/{p}/comm").read_text().strip()
             except OSError:
                 name = "?"
-            parts.append([p, name, gpu[p]])
-    return parts
+            out[f"{p} {name}"] = gpu[p]
+    return out

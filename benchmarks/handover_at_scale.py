@@ -146,7 +146,7 @@ def _memory(engine) -> dict:
         if proc is None:
             continue
         out[role] = {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1],
-                     "gpu_parts": procmem.tree_gpu_parts(gpu, proc.pid)}
+                     "gpu_parts": procmem.gpu_by_process(gpu, proc.pid)}
     if gpu:
         out["engine_gpu_mib"] = sum(v["gpu_mib"] or 0 for v in out.values())
     return out
@@ -171,7 +171,7 @@ def _plain_memory(args) -> dict:
         wait_healthy(proc, f"http://127.0.0.1:{cfg.port}")
         gpu = procmem.gpu_mib()
         return {"gpu_mib": procmem.tree_gpu_mib(gpu, proc.pid), "host": procmem.tree_mib(proc.pid)[1],
-                "gpu_parts": procmem.tree_gpu_parts(gpu, proc.pid)}
+                "gpu_parts": procmem.gpu_by_process(gpu, proc.pid)}
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _plotting import pyplot, save_result
-from _procmem import gpu_mib, tree, tree_gpu_mib
+from _procmem import gpu_by_process, gpu_mib, tree_gpu_mib
 
 from belayer_engine.arena.client import ArenaClient
 from belayer_engine.backends.sglang.launcher import (
@@ -158,19 +158,6 @@ def probe_phases(probe: Path, index: int) -> list[dict]:
     for path in sorted((probe / str(index)).glob("phases-*.jsonl")):
         rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return rows
-
-
-def gpu_by_process(gpu: dict[int, float], pid: int) -> dict[str, float]:
-    """GPU MiB of each process of a server's tree that holds any, by ``pid name``."""
-    out = {}
-    for p in tree(pid):
-        if p in gpu:
-            try:
-                name = Path(f"/proc/{p}/comm").read_text().strip()
-            except OSError:
-                name = "?"
-            out[f"{p} {name}"] = gpu[p]
-    return out
 
 
 def measure(model_dir: str, device: str, names: list[str], probe: Path | None = None) -> dict:
