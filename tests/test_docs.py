@@ -274,6 +274,8 @@ def test_the_whole_snippets_are_found() -> None:
 @pytest.mark.parametrize(("page", "line", "source"), WHOLE, ids=[f"{p}:{n}" for p, n, _ in WHOLE])
 def test_whole_snippet_runs(page: str, line: int, source: str, docker_client, tmp_path: Path) -> None:
     from belayer_env.ops.gc import list_managed
+    from belayer_env.restore.prestaging import docker_root
+    from belayer_env.store.shared_layer import lowers_root
 
     with subprocess.Popen([sys.executable, "-c", source], cwd=tmp_path, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT),
@@ -283,3 +285,8 @@ def test_whole_snippet_runs(page: str, line: int, source: str, docker_client, tm
     pid = f":{proc.pid}"  # the snippet's process owned what it made: nothing of it may be left running
     left = [c for c in list_managed(docker_client) if c.owner.endswith(pid) and c.status == "running"]
     assert not left, left
+    # nor a forks' shared layer copy it made (each closed its forks): RAM, where it was unpacked in memory
+    copies = lowers_root(docker_root(docker_client))
+    made = [p.name for p in copies.iterdir() if p.name.rpartition("~")[2].split("-")[0] == str(proc.pid)] \
+        if copies.is_dir() else []
+    assert not made, made

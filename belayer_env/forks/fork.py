@@ -111,6 +111,7 @@ def fork(checkpoint: Checkpoint, n: int, *, client: docker.DockerClient | None =
         # copies no container uses any more (best effort): removed once the forks started,
         # not before (an API call per copy and alias: tens of ms of a fork's CPU)
         clean_later(shared_sweep.sweep, client, root)
+        shared_sweep.sweep_at_exit(client, root)  # and the copies this process's forks leave
         return _fork_shared(restore, checkpoint, client, names, n, parallel, generated, pool, root)
 
 

@@ -3,10 +3,12 @@ from them (``belayer gc`` and every fork's clean-up call ``sweep``)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,27 @@ def sweep(client: docker.DockerClient, docker_root: str | Path, *, dry_run: bool
             if link.is_symlink() and not link.exists():  # its copy is gone (a killed sweep)
                 link.unlink(missing_ok=True)
     return removed
+
+
+_swept_at_exit: set[str] = set()
+_at_exit_lock = threading.Lock()
+
+
+def sweep_at_exit(client: docker.DockerClient, docker_root: str | Path) -> None:
+    """Sweep once more as this process exits (registered once per Docker root): closing the
+    last fork of a copy removes its container, not the copy, which only the next fork's sweep
+    or ``belayer gc`` would remove; a copy unpacked in memory holds RAM until then."""
+    key = str(docker_root)
+    with _at_exit_lock:
+        if key in _swept_at_exit:
+            return
+        _swept_at_exit.add(key)
+    atexit.register(_sweep_quietly, client, docker_root)
+
+
+def _sweep_quietly(client: docker.DockerClient, docker_root: str | Path) -> None:
+    with contextlib.suppress(Exception):  # the daemon may be gone: ``belayer gc`` removes it then
+        sweep(client, docker_root)
 
 
 def _users(client: docker.DockerClient, name: str) -> list[dict[str, Any]]:
