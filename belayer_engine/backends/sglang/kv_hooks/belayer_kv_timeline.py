@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 
 from belayer_kv_state import ADOPT_TAG, S, say
+from belayer_kv_threadstate import ThreadSampler
 
 HEALTH_RID = "HEALTH_CHECK"  # SGLang's /health runs a one-token generate of this rid prefix (not a client's)
 LOGGED_REQUESTS = 64  # arrivals logged after an adoption (every in-flight request of a full batch)
 LOGGED_FOR_S = 5.0
 WATCH_S = 0.3  # the re-sent requests cross the HTTP side within this after the answer
+STALL_S = 0.005  # a longer stall is described (what its thread did, from the sampler)
 
 
 class _Http:
@@ -33,7 +36,9 @@ class _Http:
 
 async def _watch_loop(since: float, watch_s: float = WATCH_S, tick_s: float = 0.001) -> None:
     """Whether the HTTP process's event loop stalls after the answer (a blocking call, a
-    collection): every re-sent request waits for it. Logs the longest stall and when."""
+    collection): every re-sent request waits for it. Logs the longest stall and when, and
+    what the loop's thread did meanwhile in the kernel's view (``belayer_kv_threadstate``)."""
+    sampler = ThreadSampler(threading.get_native_id(), watch_s).start()
     last, longest, began = time.perf_counter(), 0.0, 0.0
     while last - since < watch_s:
         await asyncio.sleep(tick_s)
@@ -41,8 +46,10 @@ async def _watch_loop(since: float, watch_s: float = WATCH_S, tick_s: float = 0.
         if now - last - tick_s > longest:
             longest, began = now - last - tick_s, last - since
         last = now
+    offset = sampler.t0 - since
+    during = sampler.summary(began - offset, began + longest - offset) if longest > STALL_S else "-"
     say(f"http: the event loop's longest stall in the {1e3 * watch_s:.0f} ms after the answer: "
-        f"{1e3 * longest:.1f} ms, from {1e3 * began:.1f} ms")
+        f"{1e3 * longest:.1f} ms, from {1e3 * began:.1f} ms; its thread meanwhile: {during}")
 
 
 def _watch_gc() -> None:

@@ -1,0 +1,63 @@
+"""What a thread does in the kernel's view (``kv_hooks/belayer_kv_threadstate.py``): the
+sampler behind the HTTP loop's stall line tells C code running on a CPU from a wait in a
+system call."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+HOOKS = Path(__file__).resolve().parents[4] / "belayer_engine" / "backends" / "sglang" / "kv_hooks"
+sys.path.insert(0, str(HOOKS))
+import belayer_kv_threadstate as threadstate  # noqa: E402
+
+CHUNK = b"x" * (8 << 20)  # hashlib releases the GIL for buffers this large: C code on a CPU
+
+
+def _sampled(work) -> threadstate.ThreadSampler:
+    """Sample a thread running ``work`` from before it starts until it ends."""
+    started, go = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def run() -> None:
+        tid.append(threading.get_native_id())
+        started.set()
+        go.wait()
+        work()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    started.wait()
+    sampler = threadstate.ThreadSampler(tid[0], for_s=0.3).start()
+    go.set()
+    thread.join()
+    sampler.join()
+    return sampler
+
+
+def test_c_code_on_a_cpu_reads_as_running_with_its_cpu_time():
+    def hash_for_a_while() -> None:
+        for _ in range(20):
+            hashlib.sha256(CHUNK).digest()
+
+    samples = _sampled(hash_for_a_while).samples
+    running = [s for s in samples if s[1] == "R"]
+    assert running, samples[:5]
+    assert running[-1][2] > running[0][2]  # its time on a CPU grew while it ran
+
+
+def test_a_wait_in_a_system_call_reads_as_asleep_in_that_call():
+    sampler = _sampled(lambda: time.sleep(0.2))
+    asleep = Counter(s[4] for s in sampler.samples if s[1] == "S")  # the first may still be its wake-up (futex)
+    assert asleep and asleep.most_common(1)[0][0] == "clock_nanosleep", asleep
+    line = sampler.summary(0.0, 0.3)
+    assert "S/clock_nanosleep" in line and "samples" in line
+
+
+def test_a_thread_that_is_gone_ends_the_sampling_and_an_empty_window_says_so():
+    sampler = _sampled(lambda: None)
+    assert sampler.summary(5.0, 6.0) == "no samples"
