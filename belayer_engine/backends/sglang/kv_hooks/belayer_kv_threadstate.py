@@ -69,14 +69,19 @@ class ThreadSampler:
 
     def summary(self, since_s: float, until_s: float) -> str:
         """Counts of (state, system call) between the two times, the thread's time on a CPU and
-        waiting for one over them, and the sampler's longest gap (it too needs the GIL: a long
-        gap is the GIL held)."""
+        waiting for one from the sample before them to the one after, and the sampler's longest
+        gap there (it too needs a CPU and the GIL)."""
         inside = [s for s in self.samples if since_s <= s[0] <= until_s]
+        # from the sample before the window to the one after it: a sampler that could not run
+        # through the window (no CPU for this process, or the GIL held) shows as one long gap
+        around = [s for s in self.samples if s[0] < since_s][-1:] + inside + \
+            [s for s in self.samples if s[0] > until_s][:1]
+        gap = max((b[0] - a[0] for a, b in zip(around, around[1:], strict=False)), default=0.0)
         if not inside:
-            return "no samples"
+            return f"no samples; the sampler's longest gap {1e3 * gap:.1f} ms"
         states = Counter(f"{state}/{call}" if state != "R" else "R" for _, state, _, _, call in inside)
-        on_cpu, waiting = inside[-1][2] - inside[0][2], inside[-1][3] - inside[0][3]
-        gaps = [b[0] - a[0] for a, b in zip(inside, inside[1:], strict=False)]
+        span = around[-1][0] - around[0][0]
+        on_cpu, waiting = around[-1][2] - around[0][2], around[-1][3] - around[0][3]
         return (f"{len(inside)} samples: " + ", ".join(f"{k} {v}" for k, v in states.most_common()) +
-                f"; on a CPU {on_cpu / 1e6:.1f} ms, waiting for one {waiting / 1e6:.1f} ms; "
-                f"the sampler's longest gap {1e3 * max(gaps, default=0):.1f} ms")
+                f"; of the {1e3 * span:.1f} ms sampled around it, on a CPU {on_cpu / 1e6:.1f} ms, waiting for one "
+                f"{waiting / 1e6:.1f} ms; the sampler's longest gap {1e3 * gap:.1f} ms")

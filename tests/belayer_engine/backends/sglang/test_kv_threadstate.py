@@ -60,4 +60,14 @@ def test_a_wait_in_a_system_call_reads_as_asleep_in_that_call():
 
 def test_a_thread_that_is_gone_ends_the_sampling_and_an_empty_window_says_so():
     sampler = _sampled(lambda: None)
-    assert sampler.summary(5.0, 6.0) == "no samples"
+    assert sampler.summary(5.0, 6.0).startswith("no samples")
+
+
+def test_a_window_the_sampler_could_not_run_through_shows_as_its_gap():
+    """The gap counts from the sample before the window to the one after it: a whole process
+    without a CPU (or the GIL held) for the stall leaves the sampler one long gap."""
+    sampler = threadstate.ThreadSampler(1, for_s=0.2)
+    sampler.samples = [(t, "S", 0, 0, "epoll_pwait") for t in (0.000, 0.001, 0.100, 0.101)]
+    assert sampler.summary(0.010, 0.050) == "no samples; the sampler's longest gap 99.0 ms"
+    assert sampler.summary(0.090, 0.102).endswith("the sampler's longest gap 99.0 ms")
+    assert sampler.summary(0.0, 0.001).endswith("the sampler's longest gap 99.0 ms")  # up to the next one
