@@ -210,8 +210,8 @@ def run_mode(mode: str, args, result: dict, save) -> None:
             entry.setdefault("decode_step_s", {})[f"{context}x{inflight}"] = _stats(gaps)
             for n, kill_after in enumerate(args.kill_after):
                 key = f"{context}x{inflight}" + (f"@{kill_after}" if len(args.kill_after) > 1 else "")
-                if args.kill_after.index(kill_after) < n:  # the same point again: its own cell
-                    key += f"-{args.kill_after[:n + 1].count(kill_after)}"
+                if (times := args.kill_after[:n + 1].count(kill_after)) > 1:  # the same point again: its own cell
+                    key += f"-{times}"
                 # no "@" in a file name: the GPU machine's tool does not bring such files back
                 profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_pyspy.json" \
                     if args.profile or args.profile_native else None

@@ -273,6 +273,7 @@ def test_the_whole_snippets_are_found() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("page", "line", "source"), WHOLE, ids=[f"{p}:{n}" for p, n, _ in WHOLE])
 def test_whole_snippet_runs(page: str, line: int, source: str, docker_client, tmp_path: Path) -> None:
+    from belayer_core.procfs import OwnerId
     from belayer_env.ops.gc import list_managed
     from belayer_env.restore.prestaging import docker_root
     from belayer_env.store.shared_layer import lowers_root
@@ -287,6 +288,6 @@ def test_whole_snippet_runs(page: str, line: int, source: str, docker_client, tm
     assert not left, left
     # nor a forks' shared layer copy it made (each closed its forks): RAM, where it was unpacked in memory
     copies = lowers_root(docker_root(docker_client))
-    made = [p.name for p in copies.iterdir() if p.name.rpartition("~")[2].split("-")[0] == str(proc.pid)] \
-        if copies.is_dir() else []
+    made = [p.name for p in (copies.iterdir() if copies.is_dir() else ())
+            if getattr(OwnerId.from_label(p.name.rpartition("~")[2]), "pid", None) == proc.pid]
     assert not made, made

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from belayer_engine.common.net import free_port  # noqa: F401 - the engine's own: ports the kernel never hands out
+from belayer_engine.common.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

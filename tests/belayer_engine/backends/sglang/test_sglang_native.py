@@ -29,9 +29,10 @@ import pytest
 
 from belayer_engine.backends.sglang.launcher import SGLangServerConfig, server_argv, server_env
 from belayer_engine.backends.sglang.model_dir import ensure_embedded_model
+from belayer_engine.common.net import free_port
 from belayer_engine.engine import RecoverableEngine
 from belayer_engine.router import RouterConfig
-from tests.belayer_engine.conftest import free_port, poll
+from tests.belayer_engine.conftest import poll
 from tests.belayer_engine.router.native_client import call, generate
 from tests.belayer_engine.router.native_faults import generated_so_far
 
