@@ -158,7 +158,7 @@ def _adopt(scheduler, source_sid: str) -> None:
     if scheduler.tree_cache.evictable_size() or scheduler.tree_cache.protected_size():
         scheduler.flush_cache()  # an idle shadow keeps nothing of its own (registration flushed its warm-up)
     device = S.allocator.device
-    old_reserve = src.reserve.copy()
+    old_reserve = slots.in_pool(S.rows, src.reserve.copy(), "the dead server's reserve")
     in_reserve = np.zeros(S.rows, dtype=bool)
     in_reserve[old_reserve] = True
     version = int(S.journal.header[jr.H_VERSION])

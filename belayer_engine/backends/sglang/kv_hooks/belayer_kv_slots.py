@@ -54,6 +54,16 @@ def unique(rows: int, *parts) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
+def in_pool(rows: int, slots, what: str) -> np.ndarray:
+    """``slots`` as a host array, each a slot of the pool (1..rows-1); raises otherwise: a
+    journal that names others (corrupt, or not this pool's) is never planned with (numpy
+    would wrap a negative one onto a real slot)."""
+    slots = host(slots)
+    if slots.size and (int(slots.min()) < 1 or int(slots.max()) >= rows):
+        raise RuntimeError(f"KV pool: {what} names slots outside 1..{rows - 1}")
+    return slots
+
+
 def _without(all_slots: np.ndarray, *excluded, rows: int) -> np.ndarray:
     """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it); every
     slot named is below ``rows``."""

@@ -134,3 +134,13 @@ def test_a_plans_free_and_hidden_slots_are_on_the_servers_device_as_int64():
     plan = slots.promoted_plan(ROWS, _reserve(), torch.tensor([3]), torch.arange(10, 18), "cpu", gate=lambda: False)
     assert plan.free.dtype == plan.hidden.dtype == torch.int64
     assert plan.free.device.type == plan.hidden.device.type == "cpu"
+
+
+def test_a_reserve_naming_slots_outside_the_pool_is_never_planned_with():
+    """The dead server's journal is read by its successor: a reserve with slot 0, a negative
+    slot (numpy would wrap it onto a real one) or one past the pool makes the adoption fail,
+    and the router re-prefills."""
+    assert slots.in_pool(ROWS, _reserve(), "reserve").tolist() == _reserve().tolist()
+    for bad in ([0, 5], [-3, 5], [5, ROWS]):
+        with pytest.raises(RuntimeError, match="outside 1.."):
+            slots.in_pool(ROWS, torch.tensor(bad), "the dead server's reserve")
