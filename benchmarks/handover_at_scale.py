@@ -284,8 +284,8 @@ def _profiled_kill(engine, out: Path, spies: list, native: bool = False):
     waits (``--idle``: waiting threads are sampled too), between the kill and the
     continuations' first tokens. Chrome trace (timed samples: ``_pyspy_timeline.py``
     says when each thread was busy). ``native``: C/C++ frames too (a thread inside a driver
-    call or waiting for the GIL shows where, not as an idle Python frame), 500 Hz, each
-    process paused per sample."""
+    call or waiting for the GIL shows where, not as an idle Python frame) of the HTTP process
+    only, 1 kHz: each sample pauses it (the scheduler and detokenizer run unpaused)."""
     if shutil.which("py-spy") is None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy; on the GPU machine carry its binary)")
     shadow = engine.supervisor.slots[0].shadow
@@ -293,9 +293,10 @@ def _profiled_kill(engine, out: Path, spies: list, native: bool = False):
         raise SystemExit("--profile: the slot has no shadow to profile")
 
     def kill() -> None:
-        # native stacks need each process paused per sample: fewer samples then
-        how = ["--native", "--rate", "500"] if native else ["--nonblocking", "--rate", "2000"]
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--subprocesses", "--threads", "--idle",
+        # native stacks need the process paused per sample: the HTTP process alone then (its
+        # loop's stalls after an adoption run no Python: C code holding the GIL)
+        how = ["--native", "--rate", "1000"] if native else ["--subprocesses", "--nonblocking", "--rate", "2000"]
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--threads", "--idle",
                                 *how, "--duration", str(PROFILE_S), "--format", "chrometrace", "--output", str(out)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         spies.append(spy)
@@ -334,9 +335,9 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="also measure a plain SGLang server's memory at the same KV")
     p.add_argument("--profile", action="store_true", help="py-spy samples the shadow's processes for 1 s from the "
                    "kill of each cell (a chrome trace and its per-thread timeline beside the JSON; needs py-spy on PATH)")
-    p.add_argument("--profile-native", action="store_true", help="--profile with C/C++ frames (py-spy --native: "
-                   "it pauses every process per sample; on the H100 the handover then took 1.6 s and ms-long stalls "
-                   "were sampled too sparsely to place)")
+    p.add_argument("--profile-native", action="store_true", help="--profile of the shadow's HTTP process only, "
+                   "with C/C++ frames, 1 kHz (py-spy --native pauses the process per sample; over every process at "
+                   "500 Hz the H100's handover took 1.6 s and ms-long stalls were sampled too sparsely to place)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
