@@ -17,7 +17,7 @@ from pathlib import Path
 
 # innermost frames of a thread that waits (py-spy's --idle samples them too)
 IDLE_LEAVES = {"select", "poll", "epoll_wait", "wait", "sleep", "Runner.run", "run_forever", "_run_once",
-               "recv_pyobj", "recv", "recv_multipart", "get", "acquire", "_wait_for_tstate_lock", "read",
+               "recv_pyobj", "recv", "recv_multipart", "get", "acquire", "_wait_for_tstate_lock", "read", "epoll_pwait", "clock_nanosleep",
                "Condition.wait", "Event.wait", "Socket.recv_pyobj"}
 
 
@@ -64,17 +64,18 @@ def segments(changes: list[tuple[float, list[str]]], depth: int = 3) -> list[tup
     return [(s, n, w) for s, n, w in out]
 
 
-def timeline(path: Path, thread: str = "", until_ms: float = 300.0, min_ms: float = 0.5, depth: int = 3) -> str:
-    """Each thread's busy runs of at least ``min_ms`` that start before ``until_ms``."""
+def timeline(path: Path, thread: str = "", until_ms: float = 300.0, min_ms: float = 0.5, depth: int = 3,
+             since_ms: float = 0.0) -> str:
+    """Each thread's busy runs of at least ``min_ms`` that start between ``since_ms`` and ``until_ms``."""
     events = json.loads(path.read_text())
     lines = []
     for key, changes in sorted(thread_runs(events).items()):
         name = _label(changes)
         if thread and thread not in name:
             continue
-        runs = [r for r in segments(changes, depth) if r[0] < until_ms]
+        runs = [r for r in segments(changes, depth) if since_ms <= r[0] < until_ms]
         busy = sum(min(n, until_ms - s) for s, n, w in runs if w != "idle")
-        lines.append(f"== pid {key[0]} {name}: busy {busy:.1f} ms of the first {until_ms:.0f} ms")
+        lines.append(f"== pid {key[0]} {name}: busy {busy:.1f} ms of {since_ms:.0f}-{until_ms:.0f} ms")
         lines += [f"{s:7.1f} +{n:6.1f}  {w}" for s, n, w in runs if w != "idle" and n >= min_ms]
     return "\n".join(lines)
 
@@ -83,11 +84,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("profile", type=Path)
     p.add_argument("--thread", default="", help="only threads whose name contains this")
+    p.add_argument("--since-ms", type=float, default=0.0)
     p.add_argument("--until-ms", type=float, default=300.0)
     p.add_argument("--min-ms", type=float, default=0.5)
     p.add_argument("--depth", type=int, default=3)
     args = p.parse_args()
-    print(timeline(args.profile, args.thread, args.until_ms, args.min_ms, args.depth))
+    print(timeline(args.profile, args.thread, args.until_ms, args.min_ms, args.depth, args.since_ms))
 
 
 if __name__ == "__main__":

@@ -237,12 +237,14 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
     spy = []
     kill = _profiled_kill(engine, profile, spy, native) if profile is not None else None
     killed = asyncio.run(run_cell(engine, prompts, max_new, kill_after, kill))
-    for proc in spy:
-        proc.communicate(timeout=60)
-    if profile is not None:  # when each of the shadow's threads was busy, beside the profile
+    for record in spy:
+        record["proc"].wait(timeout=PROFILE_S + 120)
+    if profile is not None:  # when each of the shadow's threads was busy around the kill, beside the profile
         from _pyspy_timeline import timeline
 
-        profile.with_suffix(".timeline.txt").write_text(timeline(profile, thread="", until_ms=300) + "\n")
+        kill_ms = 1e3 * spy[0]["kill_s"]  # on py-spy's clock, give or take its start (~ms)
+        profile.with_suffix(".timeline.txt").write_text(
+            f"kill at ~{kill_ms:.0f} ms\n" + timeline(profile, thread="", since_ms=kill_ms - 50, until_ms=kill_ms + 400) + "\n")
     engine.wait_ready(timeout=900, stable=True)
     events = engine.events()
     handover = [e for e in events if e["event"] == "handover"][-1]
@@ -274,37 +276,44 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
             "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
 
 
-PROFILE_S = 1  # s (py-spy takes whole seconds): the handover and the continuations' first steps
+PROFILE_S = 8  # s (py-spy takes whole seconds): from before the cell's requests to past the handover
 
 
 def _profiled_kill(engine, out: Path, spies: list, native: bool = False):
-    """A kill that starts py-spy on the shadow (its HTTP process, scheduler and detokenizer:
-    ``--subprocesses``, every thread, 2 kHz, not pausing them) for PROFILE_S s, waits until it
-    samples, then SIGKILLs the serving server: what each shadow process runs, or where it
-    waits (``--idle``: waiting threads are sampled too), between the kill and the
-    continuations' first tokens. Chrome trace (timed samples: ``_pyspy_timeline.py``
+    """Starts py-spy on the shadow (its HTTP process, scheduler and detokenizer:
+    ``--subprocesses``, every thread, 2 kHz, not pausing them) for PROFILE_S s and waits until
+    it samples (before the cell's requests are sent: starting it at the kill point let the
+    streams run on meanwhile); returns the kill, a SIGKILL of the serving server. The profile
+    shows what each shadow process runs, or where it waits (``--idle``: waiting threads are
+    sampled too), around the handover. Chrome trace (timed samples: ``_pyspy_timeline.py``
     says when each thread was busy). ``native``: C/C++ frames too (a thread inside a driver
     call or waiting for the GIL shows where, not as an idle Python frame) of the HTTP process
-    only, 1 kHz: each sample pauses it (the scheduler and detokenizer run unpaused)."""
+    only, 1 kHz: each sample pauses it (the scheduler and detokenizer run unpaused). ``spies``
+    gets the py-spy process, its start and the kill's time after it (monotonic s)."""
     if shutil.which("py-spy") is None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy; on the GPU machine carry its binary)")
     shadow = engine.supervisor.slots[0].shadow
     if shadow is None:
         raise SystemExit("--profile: the slot has no shadow to profile")
-
-    def kill() -> None:
-        # native stacks need the process paused per sample: the HTTP process alone then (its
-        # loop's stalls after an adoption run no Python: C code holding the GIL)
-        how = ["--native", "--rate", "1000"] if native else ["--subprocesses", "--nonblocking", "--rate", "2000"]
+    # native stacks need the process paused per sample: the HTTP process alone then (its
+    # loop's stalls after an adoption run no Python: C code holding the GIL)
+    how = ["--native", "--rate", "1000"] if native else ["--subprocesses", "--nonblocking", "--rate", "2000"]
+    said = out.with_suffix(".pyspy.log")
+    with said.open("w") as log_file:  # a file, not a pipe py-spy could fill and block on
+        t0 = time.monotonic()
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--threads", "--idle",
                                 *how, "--duration", str(PROFILE_S), "--format", "chrometrace", "--output", str(out)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        spies.append(spy)
-        for line in spy.stdout:  # py-spy says when it samples
-            if "Sampling process" in line:
-                break
-        else:
-            raise RuntimeError(f"py-spy did not start on pid {shadow.pid} (exit {spy.wait()})")
+                               stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    record = {"proc": spy, "t0": t0, "kill_s": None}
+    spies.append(record)
+    while "Sampling process" not in said.read_text():  # py-spy says when it samples
+        if spy.poll() is not None or time.monotonic() - t0 > 120:
+            spy.kill()
+            raise RuntimeError(f"py-spy did not start on pid {shadow.pid}: {said.read_text()[-500:]}")
+        time.sleep(0.05)
+
+    def kill() -> None:
+        record["kill_s"] = time.monotonic() - t0
         os.killpg(engine.worker_pid(0), signal.SIGKILL)
 
     return kill
