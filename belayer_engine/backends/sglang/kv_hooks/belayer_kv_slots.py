@@ -64,17 +64,23 @@ def in_pool(rows: int, slots, what: str) -> np.ndarray:
     return slots
 
 
-def _without(all_slots: np.ndarray, *excluded, rows: int) -> np.ndarray:
-    """``all_slots`` minus every slot in ``excluded`` (which may name slots outside it); every
+def _without(some: np.ndarray, *excluded, rows: int) -> np.ndarray:
+    """``some`` minus every slot in ``excluded`` (which may name slots outside it); every
     slot named is below ``rows``."""
     keep = np.ones(rows, dtype=bool)
     for e in excluded:
         keep[host(e)] = False
-    return all_slots[keep[all_slots]]
+    return some[keep[some]]
 
 
-def all_slots(rows: int) -> np.ndarray:
-    return np.arange(1, rows, dtype=np.int64)
+def all_but(rows: int, *excluded) -> np.ndarray:
+    """Every slot of the pool (1..rows-1) not in ``excluded``, sorted: a mask over the pool
+    (3-4x faster than indexing an arange with it at 400K slots)."""
+    keep = np.ones(rows, dtype=bool)
+    keep[0] = False
+    for e in excluded:
+        keep[host(e)] = False
+    return np.flatnonzero(keep)
 
 
 def _plan(free: np.ndarray, hidden: np.ndarray, device, gate: Callable[[], bool] | None) -> SlotPlan:
@@ -86,7 +92,7 @@ def _plan(free: np.ndarray, hidden: np.ndarray, device, gate: Callable[[], bool]
 def worker_plan(rows: int, own_reserve, device, gate: Callable[[], bool] | None) -> SlotPlan:
     """A serving worker: all but its reserve, at once or (a cold start after a dead worker)
     once ``gate()``."""
-    every = _without(all_slots(rows), own_reserve, rows=rows)
+    every = all_but(rows, own_reserve)
     if gate is None or gate():
         return _plan(every, every[:0], device, None)
     return _plan(every[:0], every, device, gate)
@@ -95,14 +101,14 @@ def worker_plan(rows: int, own_reserve, device, gate: Callable[[], bool] | None)
 def shadow_plan(rows: int, size: int, worker_reserve, device) -> SlotPlan:
     """A shadow: the worker's reserve, and ``size - len(reserve)`` slots it only counts."""
     reserve = np.sort(host(worker_reserve))
-    others = _without(all_slots(rows), reserve, rows=rows)
+    others = all_but(rows, reserve)
     return _plan(reserve, others[: max(0, size - reserve.size)], device, None)
 
 
 def promoted_plan(rows: int, old_reserve, adopted, new_reserve, device, gate: Callable[[], bool]) -> SlotPlan:
     old = np.sort(host(old_reserve))
     free = _without(old, adopted, rows=rows)
-    hidden = _without(all_slots(rows), old, adopted, new_reserve, rows=rows)
+    hidden = all_but(rows, old, adopted, new_reserve)
     if gate():
         return _plan(np.concatenate((free, hidden)), hidden[:0], device, None)
     return _plan(free, hidden, device, gate)
@@ -111,7 +117,7 @@ def promoted_plan(rows: int, old_reserve, adopted, new_reserve, device, gate: Ca
 def choose_reserve(rows: int, reserve: int, old_reserve, adopted) -> np.ndarray:
     """The promoted server's own reserve: ``reserve`` slots it never touched (the highest
     numbered outside the old reserve and what it adopted), on the host."""
-    untouched = _without(all_slots(rows), old_reserve, adopted, rows=rows)
+    untouched = all_but(rows, old_reserve, adopted)
     if untouched.size < reserve:
         raise RuntimeError(f"KV pool: only {untouched.size} untouched slots for a reserve of {reserve}")
     return untouched[-reserve:] if reserve else untouched[:0]
