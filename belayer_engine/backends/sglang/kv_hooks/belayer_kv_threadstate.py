@@ -6,8 +6,11 @@ request reached SGLang's app, and py-spy saw no Python running in it. The kernel
 cases apart: running on a CPU (state R, its CPU time growing: C code), runnable but waiting
 for a CPU (its run-queue wait growing: the machine's cores are busy), asleep in a system call
 (S, with the call: waiting), or in uninterruptible sleep (D: a page fault, a lock in the
-kernel). Reading /proc costs ~10 us per sample; the sampler holds the GIL only for that, and
-its own gaps say when it could not get it. Standard library only.
+kernel). On a CPU, its page faults and its CPU time in the kernel (10 ms ticks) tell user
+code from the kernel's work for it (faulting in fresh memory, compacting it). A second run
+on the H100 found the thread on a CPU holding the GIL for 21-28 ms. Reading /proc costs
+~10 us per sample; the sampler holds the GIL only for that, and its own gaps say when it
+could not get it. Standard library only.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ SYSCALLS = {0: "read", 1: "write", 7: "poll", 23: "select", 202: "futex", 230: "
             271: "ppoll", 281: "epoll_pwait", 441: "epoll_pwait2"}  # x86_64: the waits an event loop makes
 
 
-def read_state(tid: int) -> tuple[str, int, int, str]:
-    """(state letter, ns on a CPU, ns waiting for one, current system call) of thread ``tid``
-    of this process (from schedstat; CPU ticks of 10 ms and no wait where it is missing)."""
+def read_state(tid: int) -> tuple[str, int, int, str, int, int, int]:
+    """(state letter, ns on a CPU, ns waiting for one, current system call, minor and major
+    page faults, CPU ticks in the kernel) of thread ``tid`` of this process (from schedstat;
+    CPU ticks of 10 ms and no wait where it is missing)."""
     with open(f"/proc/self/task/{tid}/stat") as fh:
-        fields = fh.read().rpartition(")")[2].split()
-    state = fields[0]
+        fields = fh.read().rpartition(")")[2].split()  # fields[0] is stat's 3rd field (state)
+    state, minor, major, kernel_ticks = fields[0], int(fields[7]), int(fields[9]), int(fields[12])
     try:
         with open(f"/proc/self/task/{tid}/schedstat") as fh:
             on_cpu, waiting = (int(v) for v in fh.read().split()[:2])
@@ -38,7 +42,7 @@ def read_state(tid: int) -> tuple[str, int, int, str]:
         call = "?"
     if call.isdigit():
         call = SYSCALLS.get(int(call), call)
-    return state, on_cpu, waiting, call
+    return state, on_cpu, waiting, call, minor, major, kernel_ticks
 
 
 class ThreadSampler:
@@ -47,7 +51,7 @@ class ThreadSampler:
 
     def __init__(self, tid: int, for_s: float, every_s: float = 0.001):
         self.tid, self.for_s, self.every_s = tid, for_s, every_s
-        self.samples: list[tuple[float, str, int, int, str]] = []
+        self.samples: list[tuple[float, str, int, int, str, int, int, int]] = []
         self.t0 = 0.0
         self._thread = threading.Thread(target=self._run, name="belayer-thread-sampler", daemon=True)
 
@@ -79,9 +83,10 @@ class ThreadSampler:
         gap = max((b[0] - a[0] for a, b in zip(around, around[1:], strict=False)), default=0.0)
         if not inside:
             return f"no samples; the sampler's longest gap {1e3 * gap:.1f} ms"
-        states = Counter(f"{state}/{call}" if state != "R" else "R" for _, state, _, _, call in inside)
+        states = Counter(f"{s[1]}/{s[4]}" if s[1] != "R" else "R" for s in inside)
         span = around[-1][0] - around[0][0]
-        on_cpu, waiting = around[-1][2] - around[0][2], around[-1][3] - around[0][3]
+        on_cpu, waiting, minor, major, kernel = (around[-1][i] - around[0][i] for i in (2, 3, 5, 6, 7))
         return (f"{len(inside)} samples: " + ", ".join(f"{k} {v}" for k, v in states.most_common()) +
-                f"; of the {1e3 * span:.1f} ms sampled around it, on a CPU {on_cpu / 1e6:.1f} ms, waiting for one "
-                f"{waiting / 1e6:.1f} ms; the sampler's longest gap {1e3 * gap:.1f} ms")
+                f"; of the {1e3 * span:.1f} ms sampled around it, on a CPU {on_cpu / 1e6:.1f} ms (in the kernel "
+                f"{10 * kernel} ms, 10 ms ticks), waiting for one {waiting / 1e6:.1f} ms; page faults {minor} minor, "
+                f"{major} major; the sampler's longest gap {1e3 * gap:.1f} ms")

@@ -5,6 +5,7 @@ system call."""
 from __future__ import annotations
 
 import hashlib
+import mmap
 import sys
 import threading
 import time
@@ -67,7 +68,42 @@ def test_a_window_the_sampler_could_not_run_through_shows_as_its_gap():
     """The gap counts from the sample before the window to the one after it: a whole process
     without a CPU (or the GIL held) for the stall leaves the sampler one long gap."""
     sampler = threadstate.ThreadSampler(1, for_s=0.2)
-    sampler.samples = [(t, "S", 0, 0, "epoll_pwait") for t in (0.000, 0.001, 0.100, 0.101)]
+    sampler.samples = [(t, "S", 0, 0, "epoll_pwait", 0, 0, 0) for t in (0.000, 0.001, 0.100, 0.101)]
     assert sampler.summary(0.010, 0.050) == "no samples; the sampler's longest gap 99.0 ms"
     assert sampler.summary(0.090, 0.102).endswith("the sampler's longest gap 99.0 ms")
     assert sampler.summary(0.0, 0.001).endswith("the sampler's longest gap 99.0 ms")  # up to the next one
+
+
+def test_fresh_memory_touched_shows_as_the_threads_page_faults():
+    """The kernel's work for a thread on a CPU (faulting in memory) is told from user code by
+    its page faults: one per 4 KiB page of a fresh anonymous mapping it writes."""
+    pages = 4096
+    started, go, done, hold = (threading.Event() for _ in range(4))
+    tid: list[int] = []
+
+    def touch_fresh_pages() -> None:
+        tid.append(threading.get_native_id())
+        started.set()
+        go.wait()
+        with mmap.mmap(-1, pages * mmap.PAGESIZE) as region:
+            for page in range(pages):
+                region[page * mmap.PAGESIZE] = 1
+        done.set()
+        hold.wait()  # alive until sampled after the work
+
+    thread = threading.Thread(target=touch_fresh_pages)
+    thread.start()
+    started.wait()
+    sampler = threadstate.ThreadSampler(tid[0], for_s=30).start()
+    while not sampler.samples:  # a sample before the work
+        time.sleep(0.001)
+    go.set()
+    done.wait()
+    after = len(sampler.samples)
+    while len(sampler.samples) <= after:  # and one after it
+        time.sleep(0.001)
+    hold.set()
+    thread.join()
+    line = sampler.summary(0.0, sampler.samples[-1][0])
+    minor = int(line.split("page faults ")[1].split(" minor")[0])
+    assert minor >= pages, line
