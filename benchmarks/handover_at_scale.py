@@ -50,6 +50,7 @@ from belayer_engine.router import RouterConfig
 MODES = {"adopt": ({"sglang_kv": "arena"}, "token"), "resident": ({"sglang_kv": "server", "sglang_shadow_memory_saver": False}, "token"),
          "released": ({"sglang_kv": "server", "sglang_shadow_memory_saver": True}, "token"),
          "replay": ({"sglang_kv": "server", "sglang_shadow_memory_saver": False}, "replay")}
+PROFILE_S = 8  # s (py-spy takes whole seconds): from before the cell's requests to past the handover (GPU)
 
 
 async def _stream(session, base: str, ids: list[int], max_new: int, rec: dict) -> None:
@@ -220,7 +221,7 @@ def run_mode(mode: str, args, result: dict, save) -> None:
                 profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_pyspy.json" \
                     if args.profile or args.profile_native else None
                 entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen,
-                                                   profile, args.profile_native)
+                                                   profile, args.profile_native, args.profile_seconds)
                 entry["cells"][key].update(context=context, inflight=inflight)
                 cell = entry["cells"][key]
                 router = {k: (v.get("p50"), v.get("max")) for k, v in cell["router_s"].items()}
@@ -231,14 +232,14 @@ def run_mode(mode: str, args, result: dict, save) -> None:
 
 
 def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen: set,
-                 profile: Path | None = None, native: bool = False) -> dict:
+                 profile: Path | None = None, native: bool = False, profile_s: int = PROFILE_S) -> dict:
     """The cell's prompts again, the serving server SIGKILLed once each has ``kill_after`` ids
     (with ``profile``: while py-spy samples the shadow's processes, see ``_profiled_kill``)."""
     spy = []
-    kill = _profiled_kill(engine, profile, spy, native) if profile is not None else None
+    kill = _profiled_kill(engine, profile, spy, native, profile_s) if profile is not None else None
     killed = asyncio.run(run_cell(engine, prompts, max_new, kill_after, kill))
     for record in spy:
-        record["proc"].wait(timeout=PROFILE_S + 120)
+        record["proc"].wait(timeout=record["seconds"] + 120)
     if profile is not None:  # when each of the shadow's threads was busy around the kill, beside the profile
         from _pyspy_timeline import timeline
 
@@ -276,12 +277,9 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
             "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
 
 
-PROFILE_S = 8  # s (py-spy takes whole seconds): from before the cell's requests to past the handover
-
-
-def _profiled_kill(engine, out: Path, spies: list, native: bool = False):
+def _profiled_kill(engine, out: Path, spies: list, native: bool = False, seconds: int = PROFILE_S):
     """Starts py-spy on the shadow (its HTTP process, scheduler and detokenizer:
-    ``--subprocesses``, every thread, 2 kHz, not pausing them) for PROFILE_S s and waits until
+    ``--subprocesses``, every thread, 2 kHz, not pausing them) for ``seconds`` and waits until
     it samples (before the cell's requests are sent: starting it at the kill point let the
     streams run on meanwhile); returns the kill, a SIGKILL of the serving server. The profile
     shows what each shadow process runs, or where it waits (``--idle``: waiting threads are
@@ -302,9 +300,9 @@ def _profiled_kill(engine, out: Path, spies: list, native: bool = False):
     with said.open("w") as log_file:  # a file, not a pipe py-spy could fill and block on
         t0 = time.monotonic()
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(shadow.pid), "--threads", "--idle",
-                                *how, "--duration", str(PROFILE_S), "--format", "chrometrace", "--output", str(out)],
+                                *how, "--duration", str(seconds), "--format", "chrometrace", "--output", str(out)],
                                stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    record = {"proc": spy, "t0": t0, "kill_s": None}
+    record = {"proc": spy, "t0": t0, "kill_s": None, "seconds": seconds}
     spies.append(record)
     while "Sampling process" not in said.read_text():  # py-spy says when it samples
         if spy.poll() is not None or time.monotonic() - t0 > 120:
@@ -347,6 +345,8 @@ def main() -> None:
     p.add_argument("--profile-native", action="store_true", help="--profile of the shadow's HTTP process only, "
                    "with C/C++ frames, 1 kHz (py-spy --native pauses the process per sample; over every process at "
                    "500 Hz the H100's handover took 1.6 s and ms-long stalls were sampled too sparsely to place)")
+    p.add_argument("--profile-seconds", type=int, default=PROFILE_S, help="how long py-spy samples, from before "
+                   "the cell's requests: their prefill and decode to the kill point, then the handover (CPU: ~60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
