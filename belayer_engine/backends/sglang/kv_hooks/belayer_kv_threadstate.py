@@ -9,8 +9,9 @@ for a CPU (its run-queue wait growing: the machine's cores are busy), asleep in 
 kernel). On a CPU, its page faults and its CPU time in the kernel (10 ms ticks) tell user
 code from the kernel's work for it (faulting in fresh memory, compacting it). A second run
 on the H100 found the thread on a CPU holding the GIL for 21-28 ms. Reading /proc costs
-~10 us per sample; the sampler holds the GIL only for that, and its own gaps say when it
-could not get it. Standard library only.
+~45 us per sample on the CPU VM (~4% of a core at 1 kHz, for 300 ms per adoption); the
+sampler holds the GIL only for part of that, and its own gaps say when it could not get it.
+Standard library only.
 """
 
 from __future__ import annotations
