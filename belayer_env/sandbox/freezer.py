@@ -13,6 +13,7 @@ paused running; Docker's unpause then fails ("container not paused") until it is
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -20,6 +21,9 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 THAW_WAIT_S = 5.0
+# a cgroup directory removed (ENOENT) or being removed (ENODEV) since it was found: the kernel
+# removes only an empty one, so none of its processes is left
+CGROUP_GONE = (errno.ENOENT, errno.ENODEV)
 
 
 def _candidates(container_id: str) -> list[Path]:
@@ -53,13 +57,14 @@ def is_frozen(container_id: str) -> bool:
 
 
 def no_process_left(container_id: str) -> bool:
-    """True when the container's cgroup exists here and holds no process (dead in the
-    kernel's view, whatever Docker's state says yet); False when it holds one or is unknown."""
+    """True when the container's cgroup exists here and holds no process, or was removed
+    since it was found (dead in the kernel's view, whatever Docker's state says yet); False
+    when it holds one or is unknown."""
     path = control_file(container_id)
     try:
         return path is not None and not (path.parent / "cgroup.procs").read_text().split()
-    except OSError:
-        return False
+    except OSError as exc:
+        return exc.errno in CGROUP_GONE  # removed since it was found: only an empty cgroup can be
 
 
 def thaw(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
@@ -152,9 +157,9 @@ def procs(container_id: str) -> list[int] | None:
         return None
     try:
         return [int(p) for p in (path.parent / "cgroup.procs").read_text().split()]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError):
+    except OSError as exc:
+        return [] if exc.errno in CGROUP_GONE else None
+    except ValueError:
         return None
 
 

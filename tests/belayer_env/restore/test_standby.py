@@ -33,13 +33,9 @@ def _running(client, name: str) -> list[str]:
     return [c["Id"] for c in sandbox_containers(client, name, by_name=True) if c.get("State") == "running"]
 
 
-def _processes(container_id: str) -> list[str]:
-    """The pids in the container's cgroup (none once it is dead, or its cgroup gone)."""
-    path = freezer.control_file(container_id)
-    try:
-        return [] if path is None else (path.parent / "cgroup.procs").read_text().split()
-    except FileNotFoundError:
-        return []
+def _processes(container_id: str) -> list[int]:
+    """The pids in the container's cgroup (none once it is dead, or its cgroup gone or going)."""
+    return freezer.procs(container_id) or []
 
 
 def test_standby_is_frozen_and_promotes_to_the_checkpoint(make_sandbox, ck_store, docker_client):
