@@ -60,11 +60,7 @@ def no_process_left(container_id: str) -> bool:
     """True when the container's cgroup exists here and holds no process, or was removed
     since it was found (dead in the kernel's view, whatever Docker's state says yet); False
     when it holds one or is unknown."""
-    path = control_file(container_id)
-    try:
-        return path is not None and not (path.parent / "cgroup.procs").read_text().split()
-    except OSError as exc:
-        return exc.errno in CGROUP_GONE  # removed since it was found: only an empty cgroup can be
+    return procs(container_id) == []
 
 
 def thaw(container_id: str, wait_s: float = THAW_WAIT_S) -> bool:
