@@ -109,10 +109,6 @@ async def run_cell(engine, prompts: list[list[int]], max_new: int, kill_after: i
             r["at_kill"] = max([n for t, n in r["chunks"] if t <= t_kill], default=0)
             after = [t for t, n in r["chunks"] if t > t_kill and n > at]
             r["next_token_s"] = (after[0] - t_kill) if after else None
-            # the steady decode step the client saw before the kill (the first chunk carries the prefill)
-            before = [t for t, n in r["chunks"] if t <= t_kill]
-            gaps = sorted(b - a for a, b in zip(before[1:], before[2:], strict=False))
-            r["token_gap_s"] = gaps[len(gaps) // 2] if gaps else None
             # the router's side of the wait (wall clock, s after the kill): failure seen, re-sent,
             # the replacement's first token at the router
             r["router_s"] = {name: failures[0][key] - t_kill_wall for name, key in
@@ -256,8 +252,7 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
     per = []
     for k, r in zip(killed, reference, strict=True):
         belayer = k["meta"].get("belayer") or {}
-        per.append({"next_token_s": k["next_token_s"], "token_gap_s": k.get("token_gap_s"),
-                    "at_kill": k["at_kill"], "at_failure": k["at_failure"],
+        per.append({"next_token_s": k["next_token_s"], "at_kill": k["at_kill"], "at_failure": k["at_failure"],
                     "first_diff": _first_diff(k["ids"], r["ids"]), "adopted_tokens": belayer.get("adopted_tokens"),
                     "reprefilled_tokens": belayer.get("reprefilled_tokens"), "recoveries": belayer.get("recoveries"),
                     "router_s": k.get("router_s", {})})
@@ -265,8 +260,6 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
               for name in ("seen", "resent", "headers", "first_token")}
     stall = [e for e in events[detected:] if e["event"] == "loop_stall"]
     return {"kill_after": kill_after, "next_token_s": _stats([p["next_token_s"] for p in per]), "router_s": router,
-            # each stream's median gap between ids before the kill: the decode step a handover compares with
-            "token_gap_before_kill_s": _stats([p["token_gap_s"] for p in per]),
             "kill_wall": killed[0]["t_kill_wall"],  # the servers' log lines give wall times too
             "identical": sum(p["first_diff"] is None for p in per), "handover_s": handover.get("total_s"),
             "shadow_ready_before_kill_s": shadow_ready_s,
@@ -340,8 +333,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=500, help="prompt ids are drawn from [1, vocab)")
     p.add_argument("--worker-arg", action="append", default=[])
     p.add_argument("--plain", action="store_true", help="also measure a plain SGLang server's memory at the same KV")
-    p.add_argument("--profile", action="store_true", help="py-spy samples the shadow's processes for 1 s from the "
-                   "kill of each cell (a chrome trace and its per-thread timeline beside the JSON; needs py-spy on PATH)")
+    p.add_argument("--profile", action="store_true", help="py-spy samples the shadow's processes for --profile-seconds "
+                   "from before each cell's requests (a chrome trace and its per-thread timeline around the kill beside "
+                   "the JSON; needs py-spy on PATH)")
     p.add_argument("--profile-native", action="store_true", help="--profile of the shadow's HTTP process only, "
                    "with C/C++ frames, 1 kHz (py-spy --native pauses the process per sample; over every process at "
                    "500 Hz the H100's handover took 1.6 s and ms-long stalls were sampled too sparsely to place)")
