@@ -80,6 +80,13 @@ class SGLangBackend:
         self.venv = venv
         self.extra_args = list(extra_args or [])
         venv_python(venv)  # fail now, naming the set-up script, not after a 3-minute timeout
+        if flag_value(self.extra_args, ("--tokenizer-worker-num",)) not in (None, "1"):
+            # SGLang exits at start ("API key is not supported in multi-tokenizer mode"), and
+            # /update_weight_version reaches one of the HTTP processes only (0.5.17, 0.5.23)
+            raise ConfigError("--tokenizer-worker-num: the engine runs one HTTP process per SGLang server; with "
+                              "several SGLang refuses the --api-key that carries the engine's worker secret, and "
+                              "keeps the weight version per process (a response could name the version before "
+                              "an update)")
         self.tp = self._tp(device)
         if kv is None:  # the arena's pool is one rank's: a tensor-parallel group's servers own their KV
             kv = "arena" if self.tp == 1 else "server"

@@ -230,6 +230,19 @@ def test_cuda_stack_limit_reaches_gpu_servers_only(tmp_path, monkeypatch):
     assert parsed.cuda_stack_bytes == 256 and parsed.extra_args == ["--cuda-graph-max-bs-prefill", "64"]
 
 
+def test_several_http_processes_per_server_are_refused_at_once(tmp_path, monkeypatch):
+    """SGLang exits at start with --tokenizer-worker-num > 1 and the engine's --api-key, and
+    keeps the weight version per HTTP process: refused with the reason, not a dead worker."""
+    from belayer_engine.backends.sglang.backend import SGLangBackend
+
+    monkeypatch.delenv("BELAYER_SGLANG_PYTHONPATH", raising=False)
+    venv = _fake_venv(tmp_path)
+    for flag in (["--tokenizer-worker-num", "4"], ["--tokenizer-worker-num=2"]):
+        with pytest.raises(ConfigError, match="--tokenizer-worker-num: the engine runs one HTTP process"):
+            SGLangBackend("m", flag, venv=venv, device="cuda:0")
+    SGLangBackend("m", ["--tokenizer-worker-num", "1"], venv=venv, device="cpu")
+
+
 def test_expandable_segments_on_gpu_servers_without_the_saver(tmp_path):
     """Torch's expandable segments reach a GPU server's environment unless the memory saver
     runs there (it releases only what cudaMalloc gave, which the segments bypass); the
