@@ -216,8 +216,10 @@ def run_mode(mode: str, args, result: dict, save) -> None:
                 # no "@" in a file name: the GPU machine's tool does not bring such files back
                 profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_pyspy.json" \
                     if args.profile or args.profile_native else None
+                states = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_threads.json" \
+                    if args.thread_states else None
                 entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen,
-                                                   profile, args.profile_native, args.profile_seconds)
+                                                   profile, args.profile_native, args.profile_seconds, states)
                 entry["cells"][key].update(context=context, inflight=inflight)
                 cell = entry["cells"][key]
                 router = {k: (v.get("p50"), v.get("max")) for k, v in cell["router_s"].items()}
@@ -228,14 +230,18 @@ def run_mode(mode: str, args, result: dict, save) -> None:
 
 
 def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen: set,
-                 profile: Path | None = None, native: bool = False, profile_s: int = PROFILE_S) -> dict:
+                 profile: Path | None = None, native: bool = False, profile_s: int = PROFILE_S,
+                 states: Path | None = None) -> dict:
     """The cell's prompts again, the serving server SIGKILLed once each has ``kill_after`` ids
-    (with ``profile``: while py-spy samples the shadow's processes, see ``_profiled_kill``)."""
+    (with ``profile``: while py-spy samples the shadow's processes, see ``_profiled_kill``;
+    with ``states``: while ``_thread_states.py`` samples its HTTP process's threads)."""
     spy = []
     kill = _profiled_kill(engine, profile, spy, native, profile_s) if profile is not None else None
+    sampler = _thread_sampler(engine, states, profile_s) if states is not None else None
     killed = asyncio.run(run_cell(engine, prompts, max_new, kill_after, kill))
     for record in spy:
         record["proc"].wait(timeout=record["seconds"] + 120)
+    thread_states = _thread_states_around(sampler, states, killed[0]["t_kill"], profile_s) if sampler else None
     if profile is not None:  # when each of the shadow's threads was busy around the kill, beside the profile
         from _pyspy_timeline import timeline
 
@@ -267,7 +273,35 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
             "loop_stall": {k: stall[0][k] for k in ("longest_s", "began_s")} if stall else None,
             "events": [{k: v for k, v in e.items() if isinstance(v, int | float | str | bool)}
                        for e in events[detected:detected + 12]],  # detection, fence, promotion, routing
-            "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per}
+            "kv_log": _kv_log(engine.supervisor.run_dir, seen), "requests": per,
+            **({"thread_states": thread_states} if thread_states is not None else {})}
+
+
+def _thread_sampler(engine, out: Path, seconds: int) -> subprocess.Popen:
+    """``_thread_states.py`` on the shadow's HTTP process (the server's own pid) for ``seconds``,
+    started before the cell's requests; returns once it samples."""
+    shadow = engine.supervisor.slots[0].shadow
+    if shadow is None:
+        raise SystemExit("--thread-states: the slot has no shadow to sample")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_thread_states.py"), "--pid", str(shadow.pid),
+                             "--seconds", str(seconds), "--out", str(out)], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "sampling":  # one line, then nothing: the pipe never fills
+        proc.kill()
+        raise RuntimeError(f"_thread_states.py did not start on pid {shadow.pid} (exit {proc.wait()})")
+    return proc
+
+
+def _thread_states_around(proc: subprocess.Popen, out: Path, t_kill: float, seconds: int) -> str:
+    """Each thread's runs of one state from 50 ms before the kill to 400 ms after (the same
+    monotonic clock), beside the JSON (kept for the 0.2 s before the kill to 1 s after)."""
+    from _thread_states import summary, window
+
+    proc.wait(timeout=seconds + 60)
+    data = json.loads(out.read_text())
+    out.write_text(json.dumps(window(data, t_kill - 0.2, t_kill + 1.0)))
+    text = f"times in ms from 50 ms before the kill\n{summary(data, t_kill - 0.05, t_kill + 0.4)}"
+    out.with_suffix(".txt").write_text(text + "\n")
+    return text
 
 
 def _profiled_kill(engine, out: Path, spies: list, native: bool = False, seconds: int = PROFILE_S):
@@ -339,7 +373,12 @@ def main() -> None:
     p.add_argument("--profile-native", action="store_true", help="--profile of the shadow's HTTP process only, "
                    "with C/C++ frames, 1 kHz (py-spy --native pauses the process per sample; over every process at "
                    "500 Hz the H100's handover took 1.6 s and ms-long stalls were sampled too sparsely to place)")
-    p.add_argument("--profile-seconds", type=int, default=PROFILE_S, help="how long py-spy samples, from before "
+    p.add_argument("--thread-states", action="store_true", help="sample every thread of the shadow's HTTP process "
+                   "from another process (benchmarks/_thread_states.py: state, CPU time, system call at 1 kHz, no "
+                   "pause, for --profile-seconds from before each cell's requests): the cell's thread_states says "
+                   "what each ran from 50 ms before the kill to 400 ms after (a thread waiting for the GIL sits in "
+                   "futex)")
+    p.add_argument("--profile-seconds", type=int, default=PROFILE_S, help="how long py-spy (or --thread-states) samples, from before "
                    "the cell's requests: their prefill and decode to the kill point, then the handover (CPU: ~60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
