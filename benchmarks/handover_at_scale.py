@@ -298,6 +298,9 @@ def _thread_states_around(proc: subprocess.Popen, out: Path, t_kill: float, seco
 
     proc.wait(timeout=seconds + 60)
     data = json.loads(out.read_text())
+    if not data["t"] or data["t"][-1] < t_kill + 0.4:
+        last = f"{data['t'][-1] - t_kill:+.2f} s from the kill" if data["t"] else "without a sample"
+        return f"the sampler stopped ({last}) before the kill's window ended: raise --profile-seconds"
     out.write_text(json.dumps(window(data, t_kill - 0.2, t_kill + 1.0)))
     text = f"times in ms from 50 ms before the kill\n{summary(data, t_kill - 0.05, t_kill + 0.4)}"
     out.with_suffix(".txt").write_text(text + "\n")
@@ -378,8 +381,8 @@ def main() -> None:
                    "pause, for --profile-seconds from before each cell's requests): the cell's thread_states says "
                    "what each ran from 50 ms before the kill to 400 ms after (a thread waiting for the GIL sits in "
                    "futex)")
-    p.add_argument("--profile-seconds", type=int, default=PROFILE_S, help="how long py-spy (or --thread-states) samples, from before "
-                   "the cell's requests: their prefill and decode to the kill point, then the handover (CPU: ~60)")
+    p.add_argument("--profile-seconds", type=int, default=PROFILE_S, help="how long py-spy (or --thread-states) "
+                   "samples, from before the cell's requests: their prefill and decode to the kill point, then the handover (CPU: ~60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
