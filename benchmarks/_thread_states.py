@@ -159,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--until-ms", type=float, default=float("inf"))
     args = p.parse_args(argv)
     if args.summary is not None:
-        data = json.loads(args.summary.read_text())
+        try:
+            data = json.loads(args.summary.read_text())
+            if not isinstance(data, dict) or not {"t", "threads", "pid"} <= data.keys():
+                raise ValueError("no pid, t and threads")
+        except (OSError, ValueError) as exc:
+            p.error(f"--summary {args.summary}: not a samples file of this script ({type(exc).__name__}: {exc})")
         t0 = data["t"][0] if data["t"] else 0.0
         print(summary(data, t0 + args.since_ms / 1e3, t0 + args.until_ms / 1e3))
         return 0

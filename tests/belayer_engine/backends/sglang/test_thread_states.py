@@ -66,6 +66,8 @@ def test_bad_arguments_are_refused_with_the_reason(tmp_path):
     run = [sys.executable, str(BENCHMARKS / "_thread_states.py")]
     for args, said in ((["--pid", "1"], "--pid and --out"), (["--pid", "999999999", "--out", str(tmp_path / "x")],
                                                             "no process 999999999"),
-                       (["--pid", "1", "--out", str(tmp_path / "x"), "--seconds", "0"], "must be positive")):
+                       (["--pid", "1", "--out", str(tmp_path / "x"), "--seconds", "0"], "must be positive"),
+                       (["--summary", str(tmp_path / "none.json")], "not a samples file"),
+                       (["--summary", __file__], "not a samples file")):
         done = subprocess.run(run + args, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and said in done.stderr, done.stderr
