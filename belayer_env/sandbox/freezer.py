@@ -121,38 +121,37 @@ def kill_all(container_id: str, init_pid: int, wait_s: float = 30.0) -> bool:
     path = control_file(container_id)
     if path is None or init_pid <= 0:
         return False
-    procs = path.parent / "cgroup.procs"
+    alive = _cgroup_procs(path.parent)
+    if alive == []:
+        return True
+    if alive is None or init_pid not in alive:
+        return False
     try:
-        alive = procs.read_text().split()
-        if not alive:
-            return True
-        if str(init_pid) not in alive:
-            return False
         os.kill(init_pid, signal.SIGKILL)
     except OSError:  # ProcessLookupError included: already gone
         return False
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            if not procs.read_text().split():
-                return True
-        except FileNotFoundError:
-            return True  # the cgroup is gone with its processes
-        except OSError:
-            return False
+    while (left := _cgroup_procs(path.parent)) is not None:
+        if not left:
+            return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)
+    return False
 
 
 def procs(container_id: str) -> list[int] | None:
     """The pids in the container's cgroup ([] once it is dead or its cgroup gone; None: no
     cgroup of it here to read, e.g. a remote daemon's container)."""
     path = control_file(container_id)
-    if path is None:
-        return None
+    return None if path is None else _cgroup_procs(path.parent)
+
+
+def _cgroup_procs(cgroup: Path) -> list[int] | None:
+    """The pids in ``cgroup`` ([] once it is removed: only an empty one can be); None when it
+    cannot be read for another reason."""
     try:
-        return [int(p) for p in (path.parent / "cgroup.procs").read_text().split()]
+        return [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
     except OSError as exc:
         return [] if exc.errno in CGROUP_GONE else None
     except ValueError:

@@ -34,8 +34,12 @@ def _running(client, name: str) -> list[str]:
 
 
 def _processes(container_id: str) -> list[int]:
-    """The pids in the container's cgroup (none once it is dead, or its cgroup gone or going)."""
-    return freezer.procs(container_id) or []
+    """The pids in the container's cgroup (none once it is dead, or its cgroup gone or going);
+    a cgroup here that cannot be read is an error, not "none"."""
+    found = freezer.procs(container_id)
+    if found is None and freezer.control_file(container_id) is not None:
+        raise AssertionError(f"the cgroup of {container_id[:12]} is here but its cgroup.procs cannot be read")
+    return found or []
 
 
 def test_standby_is_frozen_and_promotes_to_the_checkpoint(make_sandbox, ck_store, docker_client):
