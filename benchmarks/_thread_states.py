@@ -21,8 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-SYSCALLS = {0: "read", 1: "write", 7: "poll", 23: "select", 202: "futex", 230: "clock_nanosleep",
-            232: "epoll_wait", 271: "ppoll", 281: "epoll_pwait", 441: "epoll_pwait2"}  # x86_64
+# the names of the waits an event loop makes, as the in-process sampler of the KV hook names them
+sys.path.append(str(Path(__file__).resolve().parents[1] / "belayer_engine" / "backends" / "sglang" / "kv_hooks"))
+from belayer_kv_threadstate import SYSCALLS  # noqa: E402 (standard library only)
+
 RESCAN_S = 0.05  # new threads are found this often
 
 

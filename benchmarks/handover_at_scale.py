@@ -214,10 +214,9 @@ def run_mode(mode: str, args, result: dict, save) -> None:
                 if (times := args.kill_after[:n + 1].count(kill_after)) > 1:  # the same point again: its own cell
                     key += f"-{times}"
                 # no "@" in a file name: the GPU machine's tool does not bring such files back
-                profile = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_pyspy.json" \
-                    if args.profile or args.profile_native else None
-                states = Path(args.out) / f"handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}_threads.json" \
-                    if args.thread_states else None
+                stem = f"{args.out}/handover_at_scale_{args.tag or 'run'}_{key.replace('@', '_at')}"
+                profile = Path(f"{stem}_pyspy.json") if args.profile or args.profile_native else None
+                states = Path(f"{stem}_threads.json") if args.thread_states else None
                 entry["cells"][key] = _killed_cell(engine, prompts, reference, args.max_new, kill_after, seen,
                                                    profile, args.profile_native, args.profile_seconds, states)
                 entry["cells"][key].update(context=context, inflight=inflight)
@@ -277,12 +276,18 @@ def _killed_cell(engine, prompts, reference, max_new: int, kill_after: int, seen
             **({"thread_states": thread_states} if thread_states is not None else {})}
 
 
+def _shadow(engine, option: str):
+    """The slot's waiting shadow, which ``option`` samples."""
+    shadow = engine.supervisor.slots[0].shadow
+    if shadow is None:
+        raise SystemExit(f"{option}: the slot has no shadow to sample")
+    return shadow
+
+
 def _thread_sampler(engine, out: Path, seconds: int) -> subprocess.Popen:
     """``_thread_states.py`` on the shadow's HTTP process (the server's own pid) for ``seconds``,
     started before the cell's requests; returns once it samples."""
-    shadow = engine.supervisor.slots[0].shadow
-    if shadow is None:
-        raise SystemExit("--thread-states: the slot has no shadow to sample")
+    shadow = _shadow(engine, "--thread-states")
     proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_thread_states.py"), "--pid", str(shadow.pid),
                              "--seconds", str(seconds), "--out", str(out)], stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "sampling":  # one line, then nothing: the pipe never fills
@@ -320,9 +325,7 @@ def _profiled_kill(engine, out: Path, spies: list, native: bool = False, seconds
     gets the py-spy process, its start and the kill's time after it (monotonic s)."""
     if shutil.which("py-spy") is None:
         raise SystemExit("--profile needs py-spy on PATH (pip install py-spy; on the GPU machine carry its binary)")
-    shadow = engine.supervisor.slots[0].shadow
-    if shadow is None:
-        raise SystemExit("--profile: the slot has no shadow to profile")
+    shadow = _shadow(engine, "--profile")
     # native stacks need the process paused per sample: the HTTP process alone then (its
     # loop's stalls after an adoption run no Python: C code holding the GIL)
     how = ["--native", "--rate", "1000"] if native else ["--subprocesses", "--nonblocking", "--rate", "2000"]
